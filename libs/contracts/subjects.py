@@ -1,0 +1,111 @@
+"""Every JetStream stream, subject, durable consumer and KV bucket Tinkerd uses, named in one place.
+
+Subjects are built only by the functions below so that a grep for a subject finds its one owner.
+Ids that become subject tokens or KV keys are minted by Tinkerd (`[A-Za-z0-9_:-]`). JetStream KV keys
+may not contain `:`, which the SDK's model ids (`{session}:train:{n}`) do, so `token()` maps `:` to `=`
+(a character no id contains): the mapping is reversible and the same for subjects and keys.
+"""
+
+from __future__ import annotations
+
+import re
+
+# --- streams -------------------------------------------------------------------------------------
+STREAM_REQUESTS = "TINKER_REQUESTS"
+"""Accepted training commands, one subject per model, in the order the gateway accepted them."""
+STREAM_WORK = "TINKER_WORK"
+"""Work units and barrier units emitted by the planner for trainers."""
+STREAM_OUTCOMES = "TINKER_OUTCOMES"
+"""What trainers report for each unit they executed."""
+STREAM_PUBLISH = "TINKER_PUBLISH"
+"""Snapshot publication commands (trainer -> publisher)."""
+STREAM_RESULTS = "TINKER_RESULTS"
+"""The final result of every future, keyed by request id; the gateway's futures projection."""
+STREAM_EVENTS = "TINKER_EVENTS"
+"""Operation events for humans and dashboards (`tinkerd events`, `nats sub 'tinker.events.>'`)."""
+
+# --- subject roots -------------------------------------------------------------------------------
+REQUESTS_ALL = "tinker.req.>"
+WORK_ALL = "tinker.work.>"
+OUTCOMES_ALL = "tinker.outcome.>"
+PUBLISH_ALL = "tinker.publish.>"
+RESULTS_ALL = "tinker.result.>"
+EVENTS_ALL = "tinker.events.>"
+
+# --- durable consumers ---------------------------------------------------------------------------
+DURABLE_PLANNER_REQUESTS = "planner-requests"
+DURABLE_PLANNER_OUTCOMES = "planner-outcomes"
+DURABLE_PUBLISHER = "publisher"
+
+
+def durable_trainer(group: str) -> str:
+    """The durable work consumer of one trainer group (all ranks of one TP group share it)."""
+    return f"trainer-{token(group)}"
+
+
+# --- KV buckets ----------------------------------------------------------------------------------
+KV_SESSIONS = "tinker_sessions"
+KV_MODELS = "tinker_models"
+KV_SEQ = "tinker_seq"
+"""(model, seq_id) -> request id + payload fingerprint: the exactly-once identity table."""
+KV_SAMPLERS = "tinker_samplers"
+KV_SAMPLE_SEQ = "tinker_sample_seq"
+"""(sampling session, seq_id) -> request id: sampling retries are deduplicated here."""
+KV_CHECKPOINTS = "tinker_checkpoints"
+KV_TRAINERS = "tinker_trainers"
+"""Live trainers and their readiness, with a TTL: the gateway's healthz reads it."""
+
+ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS)
+
+_ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
+
+
+def is_valid_id(value: str) -> bool:
+    """True when `value` could be an id Tinkerd minted (anything else is unknown by construction)."""
+    return bool(_ID.match(value))
+
+
+def token(value: str) -> str:
+    """Return `value` as a single subject token / KV key, or raise ValueError if it cannot be one."""
+    if not is_valid_id(value):
+        raise ValueError(f"not a valid id: {value!r}")
+    return value.replace(":", "=")
+
+
+def untoken(value: str) -> str:
+    """Inverse of `token()`."""
+    return value.replace("=", ":")
+
+
+def request_subject(model_id: str) -> str:
+    """The per-model subject that carries a model's accepted commands in seq_id order."""
+    return f"tinker.req.{token(model_id)}"
+
+
+def work_subject(group: str) -> str:
+    return f"tinker.work.{token(group)}"
+
+
+def outcome_subject(group: str) -> str:
+    return f"tinker.outcome.{token(group)}"
+
+
+def publish_subject(model_id: str) -> str:
+    return f"tinker.publish.{token(model_id)}"
+
+
+def result_subject(request_id: str) -> str:
+    return f"tinker.result.{token(request_id)}"
+
+
+def event_subject(kind: str, model_id: str | None) -> str:
+    """`tinker.events.<kind>.<model or _>`: filter by kind, by model, or watch everything."""
+    return f"tinker.events.{token(kind)}.{token(model_id) if model_id else '_'}"
+
+
+def seq_key(model_id: str, seq_id: int) -> str:
+    return f"{token(model_id)}.{seq_id}"
+
+
+def sample_seq_key(sampling_session_id: str, seq_id: int) -> str:
+    return f"{token(sampling_session_id)}.{seq_id}"

@@ -1,0 +1,114 @@
+"""Units the planner emits for trainers (`tinker.work.<group>`).
+
+A `WorkUnit` packs datums of many models that share (kind, loss_fn, canonical loss config) under a
+token budget; a `BarrierUnit` carries slot operations (optimizer steps of many models merged into
+one call, or one save/load/create/release). Units are executed in the order they were emitted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from libs.contracts.common import AdamSpec, BusDatum, Envelope, LoraSpec
+from libs.contracts.requests import CheckpointRef
+
+
+class UnitItem(msgspec.Struct, frozen=True, array_like=True):
+    """One datum of one request, placed in an adapter slot."""
+
+    model_id: str
+    request_id: str
+    index: int  # position of the datum inside its request
+    slot: int
+    datum: BusDatum
+
+
+class WorkUnit(Envelope, tag="work", kw_only=True, frozen=True):
+    unit_id: str
+    forward_only: bool
+    loss_fn: str
+    loss_config: dict[str, float | str] = {}
+    items: list[UnitItem] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.datum.num_tokens for item in self.items)
+
+
+class InitSlot(msgspec.Struct, tag="init_slot", kw_only=True, frozen=True):
+    model_id: str
+    request_id: str
+    slot: int
+    lora: LoraSpec
+    restore: CheckpointRef | None = None
+
+
+class StepSlot(msgspec.Struct, tag="step_slot", kw_only=True, frozen=True):
+    model_id: str
+    request_id: str
+    slot: int
+    adam: AdamSpec
+
+
+class DiscardSlot(msgspec.Struct, tag="discard_slot", kw_only=True, frozen=True):
+    """The window was poisoned: drop the slot's accumulated gradients, apply nothing."""
+
+    model_id: str
+    request_id: str
+    slot: int
+    reason: str
+
+
+class SaveSlot(msgspec.Struct, tag="save_slot", kw_only=True, frozen=True):
+    """Write the slot's training state (adapter + optimizer) for a checkpoint."""
+
+    model_id: str
+    request_id: str
+    slot: int
+    tinker_path: str
+    ttl_s: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class ExportSlot(msgspec.Struct, tag="export_slot", kw_only=True, frozen=True):
+    """Export the slot's adapter in PEFT format for sampling."""
+
+    model_id: str
+    request_id: str
+    slot: int
+    tinker_path: str | None = None
+    sampling_session_id: str | None = None
+    ttl_s: int | None = None
+
+
+class LoadSlot(msgspec.Struct, tag="load_slot", kw_only=True, frozen=True):
+    model_id: str
+    request_id: str
+    slot: int
+    restore: CheckpointRef
+
+
+class ReleaseSlot(msgspec.Struct, tag="release_slot", kw_only=True, frozen=True):
+    model_id: str
+    request_id: str
+    slot: int
+
+
+class FailRequest(msgspec.Struct, tag="fail_request", kw_only=True, frozen=True):
+    """Nothing to execute: the planner decided the request fails (e.g. a poisoned window's sealed gap)."""
+
+    model_id: str
+    request_id: str
+    error: str
+    category: str = "user"
+
+
+SlotOp = InitSlot | StepSlot | DiscardSlot | SaveSlot | ExportSlot | LoadSlot | ReleaseSlot | FailRequest
+
+
+class BarrierUnit(Envelope, tag="barrier", kw_only=True, frozen=True):
+    unit_id: str
+    ops: list[SlotOp] = []
+
+
+Unit = WorkUnit | BarrierUnit

@@ -1,0 +1,45 @@
+"""Gateway settings (see `infra.config.from_env` for how variables map onto fields)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, from_env
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = DEFAULT_NATS_URL
+    data_dir: str = DEFAULT_DATA_DIR
+    base_model: str = "tiny-qwen3"
+    """The one base model this deployment serves (short name or directory)."""
+    keys_file: str | None = None
+    """JSON keys file; without one the gateway runs in open mode (loopback only)."""
+    admin_key: str | None = None
+    """Lets operator routes (status, metrics) be called from a non-loopback client."""
+    sampler_url: str = "http://127.0.0.1:30000"
+    """An SGLang-compatible engine (services/sampler on CPU, real SGLang on GPU)."""
+    public_url: str | None = None
+    """How clients reach this gateway (for signed download URLs); defaults to http://host:port."""
+    signing_secret: str | None = None
+    """Secret for signed download URLs; a random one per process when unset."""
+
+    max_lora_rank: int = 64
+    max_datums_per_request: int = 1024
+    max_tokens_per_datum: int = 8192
+    max_request_bytes: int = 5_000_000
+    max_queue_depth_per_model: int = 256
+    max_inflight_per_tenant: int = 2048
+    sampling_capacity: int = 64
+    """Concurrent sub-generations (num_samples summed) admitted across all tenants."""
+    max_num_samples: int = 64
+    retrieve_wait_s: float = 30.0
+    """How long retrieve_future holds a pending request before answering try_again."""
+    session_ttl_s: float = 3600.0
+
+
+def load_config(env: Mapping[str, str], **overrides: object) -> GatewayConfig:
+    return from_env(GatewayConfig, "gateway", env, **overrides)

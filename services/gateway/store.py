@@ -1,0 +1,64 @@
+"""Typed access to the KV buckets the gateway reads and writes (sessions, models, samplers, ...).
+
+Creation uses KV `create`, which succeeds for exactly one writer: that is how concurrent gateway
+replicas agree on identities without a lock.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+import nats.js.errors
+
+from infra.bus import Bus
+from libs.contracts import codec
+
+T = TypeVar("T")
+
+
+class Store:
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._immutable_cache: dict[tuple[str, str], object] = {}
+
+    async def get(self, bucket: str, key: str, type_: type[T]) -> T | None:
+        kv = await self._bus.kv(bucket)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return codec.from_json(entry.value, type_)
+
+    async def create(self, bucket: str, key: str, record: T, type_: type[T]) -> tuple[bool, T]:
+        """Create `key` if absent. Returns (created, the record now stored)."""
+        kv = await self._bus.kv(bucket)
+        try:
+            await kv.create(key, codec.to_json(record))
+            return True, record
+        except nats.js.errors.KeyWrongLastSequenceError:
+            existing = await self.get(bucket, key, type_)
+            if existing is None:  # deleted in between: try once more
+                await kv.create(key, codec.to_json(record))
+                return True, record
+            return False, existing
+
+    async def put(self, bucket: str, key: str, record: msgspec.Struct) -> None:
+        kv = await self._bus.kv(bucket)
+        await kv.put(key, codec.to_json(record))
+
+    async def delete(self, bucket: str, key: str) -> None:
+        kv = await self._bus.kv(bucket)
+        try:
+            await kv.delete(key)
+        except nats.js.errors.KeyNotFoundError:
+            pass
+
+    async def keys(self, bucket: str) -> list[str]:
+        kv = await self._bus.kv(bucket)
+        try:
+            return list(await kv.keys())
+        except nats.js.errors.NoKeysError:
+            return []
