@@ -1,0 +1,200 @@
+"""`tinkerd up`: one command that runs the whole stack on this machine.
+
+Starts nats-server (unless an existing server is given), then each service as its own process
+(`tinkerd serve NAME`). It supervises them: log lines are prefixed by service, a crashed service is
+restarted with backoff, and Ctrl-C (or SIGTERM) stops everything, nats-server included, leaving no
+process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.natsd import NatsServer, start_nats
+
+SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
+COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _prefix(name: str) -> str:
+    label = f"{name:<9}|"
+    if sys.stdout.isatty():
+        return f"\033[{COLORS.get(name, 37)}m{label}\033[0m "
+    return label + " "
+
+
+@dataclass
+class Child:
+    name: str
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    log_thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class Supervisor:
+    def __init__(self, env: dict[str, str], services: tuple[str, ...] = SERVICES) -> None:
+        self.env = env
+        self.children = {name: Child(name, env) for name in services}
+        self.exits: queue.Queue[str] = queue.Queue()
+        self.stopping = threading.Event()
+        self._print_lock = threading.Lock()
+
+    def say(self, name: str, line: str) -> None:
+        with self._print_lock:
+            sys.stdout.write(_prefix(name) + line + "\n")
+            sys.stdout.flush()
+
+    def start(self, child: Child) -> None:
+        cmd = [sys.executable, "-m", "infra.cli", "serve", child.name]
+        child.process = subprocess.Popen(
+            cmd,
+            env=child.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: we stop it (and anything it spawns) as one
+        )
+        child.started_at = time.monotonic()
+        child.log_thread = threading.Thread(target=self._pump, args=(child, child.process), daemon=True)
+        child.log_thread.start()
+
+    def _pump(self, child: Child, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            self.say(child.name, raw.decode(errors="replace").rstrip())
+        process.wait()
+        self.exits.put(child.name)
+
+    def run(self, on_ready: threading.Event | None = None) -> None:
+        for child in self.children.values():
+            self.start(child)
+        while not self.stopping.is_set():
+            try:
+                name = self.exits.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if self.stopping.is_set():
+                break
+            child = self.children[name]
+            assert child.process is not None
+            code = child.process.returncode
+            stable = time.monotonic() - child.started_at > 30
+            child.restarts = 0 if stable else child.restarts + 1
+            delay = min(10.0, 0.5 * (2 ** min(child.restarts, 5)))
+            self.say(name, f"exited with code {code}; restarting in {delay:.1f}s")
+            if self.stopping.wait(delay):
+                break
+            self.start(child)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.stopping.set()
+        for child in self.children.values():
+            if child.process is not None and child.process.poll() is None:
+                _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children.values():
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(child.name, "did not stop in time; killing")
+            _signal_group(child.process, signal.SIGKILL)  # also reaps anything it left behind
+            child.process.wait()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_healthy(url: str, stop: threading.Event, timeout_s: float = 600.0) -> bool:
+    """Poll the gateway's healthz until it answers 200 (a CLI convenience, not used in tests)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        stop.wait(0.5)
+    return False
+
+
+def up(
+    data_dir: Path,
+    host: str,
+    port: int,
+    base_model: str,
+    nats_url: str | None,
+    services: tuple[str, ...] = SERVICES,
+    extra_env: dict[str, str] | None = None,
+) -> int:
+    """Run the stack in the foreground until Ctrl-C. Returns the exit code."""
+    from libs.models.registry import resolve_base_model
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model = resolve_base_model(base_model, data_dir)  # builds the embedded tiny model if missing
+    nats: NatsServer | None = None
+    if nats_url is None:
+        nats = start_nats(data_dir / "nats", log_sink=data_dir / "nats.log")
+        nats_url = nats.url
+        print(
+            f"{_prefix('nats')}nats-server {nats.url} (monitor {nats.monitor_url}, store {data_dir / 'nats'})"
+        )
+    sampler_port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TINKERD_NATS_URL": nats_url,
+        "TINKERD_DATA_DIR": str(data_dir),
+        "TINKERD_BASE_MODEL": str(model.path),
+        "TINKERD_GATEWAY_HOST": host,
+        "TINKERD_GATEWAY_PORT": str(port),
+        "TINKERD_SAMPLER_PORT": str(sampler_port),
+        "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
+        **(extra_env or {}),
+    }
+    supervisor = Supervisor(env, services)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        supervisor.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    base_url = f"http://{host}:{port}"
+
+    def announce() -> None:
+        if "gateway" in services and wait_healthy(f"{base_url}/api/v1/healthz", supervisor.stopping):
+            print(f"\nTinkerd is ready: {base_url}  (base model {model.name})\n", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        supervisor.run()
+    finally:
+        print("stopping…", flush=True)
+        supervisor.stop()
+        if nats is not None:
+            nats.stop()
+    return 0

@@ -1,0 +1,145 @@
+"""What `tinkerd events` and `tinkerd status` show: read-only views of the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from infra.bus import Bus
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.events import describe
+from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
+
+T = TypeVar("T")
+
+
+def format_event(msg: Msg) -> str:
+    try:
+        event = codec.event_decoder.decode(msg.data)
+    except msgspec.DecodeError:
+        return f"{msg.subject} {msg.data[:200]!r}"
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.at_ns / 1e9)) if event.at_ns else "--:--:--"
+    return f"{stamp} {describe(event)}"
+
+
+async def watch_events(nats_url: str, replay: bool = False, subject: str = s.EVENTS_ALL) -> None:
+    """Print every operation event as one readable line until interrupted."""
+    bus = await Bus.connect(nats_url, "events")
+
+    async def show(msg: Msg) -> None:
+        print(format_event(msg), flush=True)
+
+    if replay:
+        await bus.js.subscribe(
+            subject, stream=s.STREAM_EVENTS, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL, cb=show
+        )
+    else:
+        await bus.nc.subscribe(subject, cb=show)  # the same messages `nats sub 'tinker.events.>'` shows
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await bus.close()
+
+
+async def _records(bus: Bus, bucket: str, type_: type[T]) -> list[T]:
+    kv = await bus.kv(bucket)
+    out: list[T] = []
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return out
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if entry.value:
+            out.append(codec.from_json(entry.value, type_))
+    return out
+
+
+class Status(msgspec.Struct):
+    sessions: list[SessionRecord]
+    models: list[ModelRecord]
+    trainers: list[TrainerStatus]
+    streams: dict[str, dict[str, int]]
+    consumers: dict[str, dict[str, int]]
+    commands_per_model: dict[str, int]
+
+
+async def collect_status(nats_url: str) -> Status:
+    bus = await Bus.connect(nats_url, "status")
+    try:
+        sessions = await _records(bus, s.KV_SESSIONS, SessionRecord)
+        models = await _records(bus, s.KV_MODELS, ModelRecord)
+        trainers = await _records(bus, s.KV_TRAINERS, TrainerStatus)
+        streams = {}
+        for name in (
+            s.STREAM_REQUESTS,
+            s.STREAM_WORK,
+            s.STREAM_OUTCOMES,
+            s.STREAM_PUBLISH,
+            s.STREAM_RESULTS,
+            s.STREAM_EVENTS,
+        ):
+            info = await bus.js.stream_info(name)
+            streams[name] = {
+                "messages": info.state.messages,
+                "bytes": info.state.bytes,
+                "last_seq": info.state.last_seq,
+            }
+        consumers = {}
+        for name in (s.STREAM_REQUESTS, s.STREAM_WORK, s.STREAM_OUTCOMES, s.STREAM_PUBLISH):
+            for consumer in await bus.js.consumers_info(name):
+                if consumer.config.durable_name:
+                    consumers[f"{name}/{consumer.name}"] = {
+                        "pending": consumer.num_pending or 0,
+                        "ack_pending": consumer.num_ack_pending or 0,
+                        "redelivered": consumer.num_redelivered or 0,
+                    }
+        depth: dict[str, int] = {}
+        for model in models:
+            try:
+                info = await bus.js.stream_info(
+                    s.STREAM_REQUESTS, subjects_filter=s.request_subject(model.model_id)
+                )
+                depth[model.model_id] = (
+                    sum((info.state.subjects or {}).values()) if info.state.subjects else 0
+                )
+            except nats.errors.Error:
+                depth[model.model_id] = 0
+        return Status(sessions, models, trainers, streams, consumers, depth)
+    finally:
+        await bus.close()
+
+
+async def print_status(nats_url: str) -> None:
+    st = await collect_status(nats_url)
+    print("trainers:")
+    for t in st.trainers:
+        print(
+            f"  {t.trainer_id:<24} group={t.group} ready={t.ready} slots={t.slots_used}/{t.num_slots} base={t.base_model}"
+        )
+    open_sessions = sum(1 for x in st.sessions if not x.finished)
+    print(f"sessions: {len(st.sessions)} ({open_sessions} open)")
+    print("models:")
+    for m in st.models:
+        state = " (unloaded)" if m.unloaded else ""
+        commands = st.commands_per_model.get(m.model_id, 0)
+        print(f"  {m.model_id:<32} tenant={m.tenant:<20} rank={m.lora.rank} commands={commands}{state}")
+    print("streams:")
+    for name, info in st.streams.items():
+        print(f"  {name:<18} messages={info['messages']:<8} bytes={info['bytes']}")
+    print("consumers (lag = pending):")
+    for name, info in st.consumers.items():
+        print(
+            f"  {name:<40} pending={info['pending']:<6} ack_pending={info['ack_pending']:<4} redelivered={info['redelivered']}"
+        )

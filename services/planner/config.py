@@ -1,0 +1,24 @@
+"""Planner settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from infra.config import DEFAULT_NATS_URL, from_env
+
+
+class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str = DEFAULT_NATS_URL
+    trainer_group: str = "default"
+    num_slots: int = 8
+    """Adapter slots per trainer group (must match the trainer's)."""
+    token_budget: int = 16_384
+    """Tokens per work unit; a single datum over it ships alone."""
+    gap_timeout_s: float = 120.0
+    """A missing seq_id that stays missing this long is sealed as a failure."""
+
+
+def load_config(env: Mapping[str, str], **overrides: object) -> PlannerConfig:
+    return from_env(PlannerConfig, "planner", env, **overrides)

@@ -1,0 +1,244 @@
+"""The planner service: folds the request and outcome streams, emits units, publishes results.
+
+Start-up is a replay: requests up to the durable's ack floor, the work stream (units already
+emitted are not planned again), outcomes up to their ack floor. Then live consumption through the
+two durable consumers. Invariant: a message is acked only after everything it caused is durable
+(units appended, results appended), so a crash at any point replays into the same plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyWrongLastSequenceError
+
+from infra.bus import Bus, ack_floor, fetch_loop, last_seq, replay
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.common import now_ns
+from libs.contracts.events import RequestCompleted, RequestFailed, UnitPlanned
+from libs.contracts.records import SeqClaim
+from libs.contracts.requests import Rejected
+from libs.contracts.results import Failure, RequestResult
+from libs.contracts.work import BarrierUnit, Unit, WorkUnit
+from services.planner.config import PlannerConfig
+from services.planner.planner import Completion, Planner
+
+log = logging.getLogger("tinkerd.planner")
+
+
+async def ensure_consumers(bus: Bus) -> None:
+    for stream, subject, durable in (
+        (s.STREAM_REQUESTS, s.REQUESTS_ALL, s.DURABLE_PLANNER_REQUESTS),
+        (s.STREAM_OUTCOMES, s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES),
+    ):
+        await bus.js.add_consumer(
+            stream,
+            ConsumerConfig(
+                durable_name=durable,
+                filter_subject=subject,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=60.0,
+                max_ack_pending=10_000,
+            ),
+        )
+
+
+class PlannerService:
+    def __init__(self, bus: Bus, config: PlannerConfig) -> None:
+        self.bus = bus
+        self.config = config
+        self.planner = Planner(num_slots=config.num_slots, token_budget=config.token_budget)
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await ensure_consumers(self.bus)
+        requests_floor = await ack_floor(self.bus, s.STREAM_REQUESTS, s.DURABLE_PLANNER_REQUESTS)
+        outcomes_floor = await ack_floor(self.bus, s.STREAM_OUTCOMES, s.DURABLE_PLANNER_OUTCOMES)
+        work_last = await last_seq(self.bus, s.STREAM_WORK)
+
+        def on_request(msg: Msg) -> None:
+            self.planner.on_command(codec.command_decoder.decode(msg.data), msg.metadata.sequence.stream)
+
+        def on_unit(msg: Msg) -> None:
+            self.planner.mark_emitted(codec.unit_decoder.decode(msg.data))
+
+        def on_outcome(msg: Msg) -> None:
+            self.planner.on_outcome(codec.outcome_decoder.decode(msg.data))
+
+        n_req = await replay(self.bus, s.STREAM_REQUESTS, s.REQUESTS_ALL, requests_floor, on_request)
+        n_work = await replay(self.bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_unit)
+        n_out = await replay(self.bus, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, outcomes_floor, on_outcome)
+        self.planner.collect()  # already published before the crash (acked => durable)
+        log.info("replayed %d requests, %d units, %d outcomes", n_req, n_work, n_out)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        requests = await self.bus.pull(s.REQUESTS_ALL, s.DURABLE_PLANNER_REQUESTS, s.STREAM_REQUESTS)
+        outcomes = await self.bus.pull(s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES, s.STREAM_OUTCOMES)
+        async with self._lock:
+            await self._advance()  # anything the replay left plannable
+        tasks = [
+            asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
+            asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
+            asyncio.create_task(self._seal_gaps(stop)),
+        ]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _on_requests(self, msgs: list[Msg]) -> None:
+        async with self._lock:
+            for msg in msgs:
+                command = codec.command_decoder.decode(msg.data)
+                self.planner.on_command(command, msg.metadata.sequence.stream, now_ns())
+            await self._advance()
+            for msg in msgs:
+                await msg.ack()
+
+    async def _on_outcomes(self, msgs: list[Msg]) -> None:
+        async with self._lock:
+            completions: list[Completion] = []
+            for msg in msgs:
+                completions += self.planner.on_outcome(codec.outcome_decoder.decode(msg.data))
+            await self._publish_completions(completions)
+            await self._advance()
+            for msg in msgs:
+                await msg.ack()
+
+    async def _advance(self) -> None:
+        """Publish finished requests and every unit that became plannable (in order)."""
+        await self._publish_completions(self.planner.collect())
+        for unit in self.planner.plan():
+            await self._emit_unit(unit)
+        await self._publish_completions(self.planner.collect())
+
+    async def _emit_unit(self, unit: Unit) -> None:
+        await self.bus.publish(
+            s.work_subject(self.config.trainer_group), codec.pack(unit), msg_id=unit.unit_id, traceparent=unit.traceparent
+        )
+        if isinstance(unit, WorkUnit):
+            models = sorted({item.model_id for item in unit.items})
+            requests = sorted({item.request_id for item in unit.items})
+            kind, tokens = ("forward" if unit.forward_only else unit.loss_fn), unit.num_tokens
+        else:
+            assert isinstance(unit, BarrierUnit)
+            models = sorted({op.model_id for op in unit.ops})
+            requests = sorted({op.request_id for op in unit.ops})
+            kind = "+".join(sorted({str(type(op).__struct_config__.tag) for op in unit.ops}))
+            tokens = 0
+        await self.bus.emit(
+            UnitPlanned(
+                unit_id=unit.unit_id,
+                unit_kind=kind,
+                models=models,
+                requests=requests,
+                num_tokens=tokens,
+                model_id=models[0] if len(models) == 1 else "",
+                at_ns=now_ns(),
+            )
+        )
+
+    async def _publish_completions(self, completions: list[Completion]) -> None:
+        for done in completions:
+            cmd = done.pending.command
+            if done.body is None:
+                continue  # the publisher answers this one
+            result = RequestResult(
+                kind=done.pending.kind,
+                body=done.body,
+                tenant=cmd.tenant,
+                model_id=done.model_id,
+                request_id=cmd.request_id,
+                seq_id=cmd.seq_id,
+                at_ns=now_ns(),
+                traceparent=cmd.traceparent,
+            )
+            await self.bus.publish(s.result_subject(cmd.request_id), codec.pack(result), msg_id=cmd.request_id)
+            duration_ms = (now_ns() - cmd.at_ns) / 1e6 if cmd.at_ns else 0.0
+            if isinstance(done.body, Failure):
+                event: RequestCompleted | RequestFailed = RequestFailed(
+                    kind=done.pending.kind,
+                    error=done.body.error,
+                    category=done.body.category,
+                    duration_ms=duration_ms,
+                    model_id=done.model_id,
+                    request_id=cmd.request_id,
+                    seq_id=cmd.seq_id,
+                    tenant=cmd.tenant,
+                    at_ns=now_ns(),
+                )
+            else:
+                event = RequestCompleted(
+                    kind=done.pending.kind,
+                    duration_ms=duration_ms,
+                    model_id=done.model_id,
+                    request_id=cmd.request_id,
+                    seq_id=cmd.seq_id,
+                    tenant=cmd.tenant,
+                    at_ns=now_ns(),
+                )
+            await self.bus.emit(event)
+
+    async def _seal_gaps(self, stop: asyncio.Event) -> None:
+        """Seal a seq_id that stayed missing past the timeout, so it cannot stall its model.
+
+        The seal claims the seq_id in the identity table first: if the gateway claimed it, the
+        real request is on its way and nothing is sealed.
+        """
+        interval = min(1.0, self.config.gap_timeout_s / 4)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            deadline = now_ns() - int(self.config.gap_timeout_s * 1e9)
+            for stream in list(self.planner.streams.values()):
+                missing = stream.missing_seq
+                if missing is None or stream.gap_since_ns is None or stream.gap_since_ns > deadline:
+                    continue
+                await self._seal(stream.model_id, stream.tenant, missing)
+
+    async def _seal(self, model_id: str, tenant: str, seq_id: int) -> None:
+        request_id = f"{model_id}:{seq_id}"
+        kv = await self.bus.kv(s.KV_SEQ)
+        claim = SeqClaim(request_id=request_id, fingerprint="sealed", kind="sealed", tenant=tenant, accepted_ns=now_ns())
+        try:
+            await kv.create(s.seq_key(model_id, seq_id), codec.to_json(claim))
+        except KeyWrongLastSequenceError:
+            return
+        error = (
+            f"seq_id {seq_id} of model {model_id} never arrived within {self.config.gap_timeout_s:.0f}s; "
+            "it was sealed as failed so later requests can run"
+        )
+        sealed = Rejected(
+            kind="sealed",
+            error=error,
+            tenant=tenant,
+            model_id=model_id,
+            request_id=request_id,
+            seq_id=seq_id,
+            at_ns=now_ns(),
+        )
+        log.warning(error)
+        await self.bus.publish(s.request_subject(model_id), codec.pack(sealed), msg_id=f"{model_id}:{seq_id}")
+
+
+async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
+    from infra.streams import ensure_streams
+
+    bus = await Bus.connect(config.nats_url, "planner")
+    try:
+        await ensure_streams(bus.js)
+        service = PlannerService(bus, config)
+        await service.start()
+        await service.run(stop)
+    finally:
+        await bus.close()
+
+
