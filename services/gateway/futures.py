@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -30,6 +31,7 @@ class FutureBoard:
         self._caught_up = asyncio.Event()
         self._replay_until = 0
         self._sub: object | None = None
+        self.listeners: list[Callable[[RequestResult], None]] = []
 
     async def start(self) -> None:
         info = await self._bus.js.stream_info(s.STREAM_RESULTS)
@@ -56,6 +58,8 @@ class FutureBoard:
             self._caught_up.set()
 
     def _remember(self, result: RequestResult) -> None:
+        for listener in self.listeners:
+            listener(result)
         self._cache[result.request_id] = result
         self._cache.move_to_end(result.request_id)
         while len(self._cache) > self._cache_size:

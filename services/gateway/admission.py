@@ -1,0 +1,61 @@
+"""Overload control, decided before a seq_id is consumed: 429 with Retry-After.
+
+Counts are this replica's own view (requests it accepted and has not yet seen complete), which
+is exact for one gateway and conservative per replica behind a load balancer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import Overloaded
+
+
+class Admission:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.per_model: dict[str, set[str]] = defaultdict(set)
+        self.per_tenant: dict[str, set[str]] = defaultdict(set)
+        self.highest_seq: dict[str, int] = {}
+        self.sampling_in_use = 0
+
+    def check_training(self, tenant: str, model_id: str, seq_id: int) -> None:
+        """Refuse when the model's queue or the tenant's in-flight set is full.
+
+        A seq_id below the highest one seen fills a hole, so it is always admitted: refusing it
+        would leave the queue blocked behind the hole.
+        """
+        if seq_id < self.highest_seq.get(model_id, -1):
+            return
+        if len(self.per_model[model_id]) >= self.config.max_queue_depth_per_model:
+            raise Overloaded(
+                f"model {model_id} has {len(self.per_model[model_id])} requests queued "
+                f"(limit max_queue_depth_per_model={self.config.max_queue_depth_per_model}); retry shortly"
+            )
+        if len(self.per_tenant[tenant]) >= self.config.max_inflight_per_tenant:
+            raise Overloaded(
+                f"tenant has {len(self.per_tenant[tenant])} requests in flight "
+                f"(limit max_inflight_per_tenant={self.config.max_inflight_per_tenant}); retry shortly"
+            )
+
+    def admitted(self, tenant: str, model_id: str, seq_id: int, request_id: str) -> None:
+        self.per_model[model_id].add(request_id)
+        self.per_tenant[tenant].add(request_id)
+        self.highest_seq[model_id] = max(self.highest_seq.get(model_id, -1), seq_id)
+
+    def finished(self, tenant: str, model_id: str, request_id: str) -> None:
+        self.per_model[model_id].discard(request_id)
+        self.per_tenant[tenant].discard(request_id)
+
+    def acquire_sampling(self, num_samples: int) -> None:
+        """Weighted by num_samples: one request takes that many sub-generation permits."""
+        if self.sampling_in_use + num_samples > self.config.sampling_capacity:
+            raise Overloaded(
+                f"sampling is at capacity ({self.sampling_in_use}/{self.config.sampling_capacity} "
+                "sub-generations in flight); retry shortly"
+            )
+        self.sampling_in_use += num_samples
+
+    def release_sampling(self, num_samples: int) -> None:
+        self.sampling_in_use = max(0, self.sampling_in_use - num_samples)

@@ -1,0 +1,84 @@
+"""The gateway's process-wide context: config, bus, projections, and the served base model.
+
+Built once by the app's lifespan and handed to handlers through dependency injection.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from litestar import Litestar, Request
+
+from infra.bus import Bus
+from infra.streams import ensure_streams
+from libs.models.registry import ResolvedModel, resolve_base_model
+from services.gateway.admission import Admission
+from services.gateway.auth import KeyRing, Tenant
+from services.gateway.config import GatewayConfig
+from services.gateway.futures import FutureBoard
+from services.gateway.store import Store
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    bus: Bus
+    store: Store
+    board: FutureBoard
+    keys: KeyRing
+    model: ResolvedModel
+    admission: Admission
+    signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.config.data_dir).expanduser().resolve()
+
+    def base_model_matches(self, name: str) -> bool:
+        """The SDK sends back whatever name the client used: accept our name, alias or path."""
+        if name in (self.model.name, str(self.model.path), f"tinkerd/{self.model.name}"):
+            return True
+        try:
+            return resolve_base_model(name, self.data_dir, build_missing=False).path == self.model.path
+        except ValueError:
+            return False
+
+
+def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
+    @asynccontextmanager
+    async def run(app: Litestar) -> AsyncIterator[None]:
+        data_dir = Path(config.data_dir).expanduser().resolve()
+        model = resolve_base_model(config.base_model, data_dir)
+        bus = await Bus.connect(config.nats_url, "gateway")
+        try:
+            await ensure_streams(bus.js)
+            board = FutureBoard(bus)
+            await board.start()
+            keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
+            gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config))
+            if config.signing_secret:
+                gateway.signing_secret = config.signing_secret.encode()
+            app.state.gateway = gateway
+            yield
+        finally:
+            if hasattr(app.state, "gateway"):
+                await app.state.gateway.board.stop()
+            await bus.close()
+
+    return run
+
+
+def gateway_of(request: Request) -> Gateway:  # type: ignore[type-arg]
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def provide_gateway(request: Request) -> Gateway:  # type: ignore[type-arg]
+    return gateway_of(request)
+
+
+async def provide_tenant(request: Request) -> Tenant:  # type: ignore[type-arg]
+    return gateway_of(request).keys.authenticate(request.headers.get("x-api-key"))

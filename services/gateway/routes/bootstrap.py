@@ -1,0 +1,149 @@
+"""Bootstrap, sessions, telemetry, capabilities and health: what the SDK calls before training."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from litestar import Request, Response, get, post
+
+from libs.contracts import subjects as s
+from libs.contracts import tinker_wire as w
+from libs.contracts.common import now_ns
+from libs.contracts.events import SessionEvent
+from libs.contracts.records import SessionRecord, TrainerStatus
+from services.gateway.auth import Tenant
+from services.gateway.context import Gateway
+from services.gateway.errors import NotFound
+
+CLIENT_CONFIG = w.ClientConfigResponse(
+    # The flags are explicit so a client runs the same way whatever its version's defaults.
+    pjwt_auth_enabled=False,
+    proto_compress_fwdbwd=False,
+    parallel_fwdbwd_chunks=True,
+    use_pyqwest_transport=True,
+    sample_use_retrieve_futures=False,
+    custom_loss_server_side=False,  # server-side custom losses: not offered (forward_backward_custom works client-side)
+    sample_join_sampling_session=False,
+    proto_write_fwdbwd=False,
+    fwd_via_fwdbwd=False,
+    create_model_via_load_weights=False,
+)
+
+
+@post("/api/v1/client/config", status_code=200, operation_id="client_config")
+async def client_config(tenant: Tenant) -> w.ClientConfigResponse:
+    return CLIENT_CONFIG
+
+
+@post("/api/v1/client/dynamic_config", status_code=200, operation_id="client_dynamic_config")
+async def client_dynamic_config(tenant: Tenant) -> w.ClientDynamicConfigResponse:
+    return w.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False)
+
+
+@post("/api/v1/create_session", status_code=200, operation_id="create_session")
+async def create_session(
+    request: Request,  # type: ignore[type-arg]
+    data: w.CreateSessionRequest,
+    gateway: Gateway,
+    tenant: Tenant,
+) -> w.CreateSessionResponse:
+    # Low-level HTTP retries keep the same idempotency key: they get the same session.
+    key = request.headers.get("x-idempotency-key")
+    seed = f"{tenant.id}|{key}" if key else uuid.uuid4().hex
+    session_id = "s-" + hashlib.sha256(seed.encode()).hexdigest()[:20]
+    record = SessionRecord(
+        session_id=session_id,
+        tenant=tenant.id,
+        created_ns=now_ns(),
+        tags=data.tags,
+        user_metadata=data.user_metadata,
+        sdk_version=data.sdk_version,
+    )
+    await gateway.store.create(s.KV_SESSIONS, session_id, record, SessionRecord)
+    await gateway.bus.emit(SessionEvent(session_id=session_id, what="created", tenant=tenant.id, at_ns=now_ns()))
+    return w.CreateSessionResponse(session_id=session_id)
+
+
+async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> SessionRecord:
+    if not s.is_valid_id(session_id):
+        raise NotFound(f"session {session_id!r} not found")
+    record = await gateway.store.get(s.KV_SESSIONS, s.token(session_id), SessionRecord)
+    if record is None or record.tenant != tenant.id:
+        raise NotFound(f"session {session_id!r} not found")
+    return record
+
+
+@post("/api/v1/session_heartbeat", status_code=200, operation_id="session_heartbeat")
+async def session_heartbeat(data: w.SessionHeartbeatRequest, gateway: Gateway, tenant: Tenant) -> w.SessionHeartbeatResponse:
+    await owned_session(gateway, tenant, data.session_id)
+    return w.SessionHeartbeatResponse()
+
+
+@post("/api/v1/sessions/{session_id:str}/finish", status_code=200, operation_id="finish_session")
+async def finish_session(
+    session_id: str, data: w.SessionFinishRequest, gateway: Gateway, tenant: Tenant
+) -> dict[str, str]:
+    record = await owned_session(gateway, tenant, session_id)
+    if not record.finished:
+        record.finished = True
+        await gateway.store.put(s.KV_SESSIONS, s.token(session_id), record)
+        await gateway.bus.emit(
+            SessionEvent(session_id=session_id, what=f"finished:{data.reason.type}", tenant=tenant.id, at_ns=now_ns())
+        )
+    return {"status": "finished"}
+
+
+@post("/api/v1/telemetry", status_code=200, operation_id="telemetry")
+async def telemetry(data: w.TelemetrySendRequest, tenant: Tenant) -> w.TelemetryResponse:
+    return w.TelemetryResponse(status="accepted")
+
+
+@get("/api/v1/get_server_capabilities", operation_id="get_server_capabilities")
+async def get_server_capabilities(gateway: Gateway, tenant: Tenant) -> w.GetServerCapabilitiesResponse:
+    model = gateway.model
+    return w.GetServerCapabilitiesResponse(
+        supported_models=[
+            w.SupportedModel(model_name=model.name, max_context_length=model.max_context, trainable=True, sampleable=True)
+        ]
+    )
+
+
+async def trainers_ready(gateway: Gateway) -> list[TrainerStatus]:
+    ready = []
+    for key in await gateway.store.keys(s.KV_TRAINERS):
+        status = await gateway.store.get(s.KV_TRAINERS, key, TrainerStatus)
+        if status is not None and status.ready:
+            ready.append(status)
+    return ready
+
+
+@get("/api/v1/healthz", operation_id="healthz")
+async def healthz(gateway: Gateway) -> Response[dict[str, str]]:
+    """200 once a trainer is ready (readiness, not just liveness); 503 before."""
+    if await trainers_ready(gateway):
+        return Response({"status": "ok"}, status_code=200)
+    return Response({"status": "starting", "detail": "no trainer is ready yet"}, status_code=503)
+
+
+@get("/api/v1/auth/apikey/me", operation_id="apikey_me")
+async def apikey_me(tenant: Tenant) -> dict[str, object]:
+    return {
+        "key_id": tenant.key_digest[:16],
+        "name": tenant.key_name or tenant.id,
+        "note": "",
+        "details": {"org_details": {"name": tenant.id}, "user_details": {"email": ""}},
+    }
+
+
+ROUTES = [
+    client_config,
+    client_dynamic_config,
+    create_session,
+    session_heartbeat,
+    finish_session,
+    telemetry,
+    get_server_capabilities,
+    healthz,
+    apikey_me,
+]
