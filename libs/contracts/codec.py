@@ -14,6 +14,7 @@ from libs.contracts.events import OperationEvent
 from libs.contracts.outcomes import Outcome
 from libs.contracts.requests import ModelCommand
 from libs.contracts.results import RequestResult
+from libs.contracts.snapshots import PublishSnapshot
 from libs.contracts.work import Unit
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ unit_decoder = msgspec.msgpack.Decoder(Unit)
 outcome_decoder = msgspec.msgpack.Decoder(Outcome)
 result_decoder = msgspec.msgpack.Decoder(RequestResult)
 event_decoder = msgspec.json.Decoder(OperationEvent)
+publish_decoder = msgspec.msgpack.Decoder(PublishSnapshot)
 
 
 def pack(message: Any) -> bytes:

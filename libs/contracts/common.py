@@ -51,7 +51,11 @@ class BusTensor(msgspec.Struct, frozen=True, array_like=True):
     @staticmethod
     def of(array: np.ndarray) -> BusTensor:
         arr = np.ascontiguousarray(array)
-        return BusTensor(dtype=str(arr.dtype), shape=list(arr.shape), data=arr.astype(arr.dtype.newbyteorder("<")).tobytes())
+        return BusTensor(
+            dtype=str(arr.dtype),
+            shape=list(arr.shape),
+            data=arr.astype(arr.dtype.newbyteorder("<")).tobytes(),
+        )
 
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)

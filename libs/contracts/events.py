@@ -6,8 +6,6 @@ These are observations, not inputs: no service's state depends on them.
 
 from __future__ import annotations
 
-import msgspec
-
 from libs.contracts.common import Envelope
 
 

@@ -41,6 +41,8 @@ class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):
     kind: str
     tenant: str
     accepted_ns: int
+    error: str | None = None  # set when the content was refused: a retry gets the same 400
+    status: int = 200
 
 
 class SamplerRecord(msgspec.Struct, kw_only=True):
@@ -51,6 +53,7 @@ class SamplerRecord(msgspec.Struct, kw_only=True):
     model_path: str | None = None  # tinker:// path of the snapshot, None for the base model
     adapter_name: str | None = None  # the name the sampling engine knows the adapter by
     adapter_dir: str | None = None
+    pending_request_id: str | None = None  # ephemeral samplers: the save that produces the snapshot
     created_ns: int = 0
 
 
@@ -68,6 +71,7 @@ class CheckpointRecord(msgspec.Struct, kw_only=True):
     public: bool = False
     expires_ns: int | None = None
     user_metadata: dict[str, object] | None = None
+    adapter_name: str | None = None  # sampler snapshots: the name the sampling engines know
 
 
 class TrainerStatus(msgspec.Struct, kw_only=True):

@@ -76,7 +76,16 @@ class Rejected(Envelope, tag="rejected", kw_only=True, frozen=True):
     category: str = "user"
 
 
-ModelCommand = CreateModel | ForwardBackward | OptimStep | SaveWeights | SaveForSampler | LoadWeights | UnloadModel | Rejected
+ModelCommand = (
+    CreateModel
+    | ForwardBackward
+    | OptimStep
+    | SaveWeights
+    | SaveForSampler
+    | LoadWeights
+    | UnloadModel
+    | Rejected
+)
 
 WINDOW_KINDS = frozenset({"forward_backward"})
 """Commands that may be split, packed and interleaved inside a window; everything else is a barrier."""

@@ -66,6 +66,7 @@ class SaveSlot(msgspec.Struct, tag="save_slot", kw_only=True, frozen=True):
     request_id: str
     slot: int
     tinker_path: str
+    tenant: str = ""
     ttl_s: int | None = None
     user_metadata: dict[str, str] | None = None
 
@@ -78,6 +79,7 @@ class ExportSlot(msgspec.Struct, tag="export_slot", kw_only=True, frozen=True):
     slot: int
     tinker_path: str | None = None
     sampling_session_id: str | None = None
+    tenant: str = ""
     ttl_s: int | None = None
 
 

@@ -36,6 +36,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     sampling_capacity: int = 64
     """Concurrent sub-generations (num_samples summed) admitted across all tenants."""
     max_num_samples: int = 64
+    result_retention_s: float = 3600.0
+    """How long results are kept (the results stream's max age); older futures answer 410."""
     retrieve_wait_s: float = 30.0
     """How long retrieve_future holds a pending request before answering try_again."""
     session_ttl_s: float = 3600.0

@@ -87,7 +87,9 @@ class ErrorBody(msgspec.Struct):
     category: str
 
 
-def _respond(status: int, message: str, category: str, headers: dict[str, str] | None = None) -> Response[ErrorBody]:
+def _respond(
+    status: int, message: str, category: str, headers: dict[str, str] | None = None
+) -> Response[ErrorBody]:
     return Response(ErrorBody(error=message, category=category), status_code=status, headers=headers)
 
 

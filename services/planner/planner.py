@@ -228,6 +228,7 @@ class Planner:
                     request_id=rid,
                     slot=stream.slot,
                     tinker_path=f"tinker://{mid}/weights/{cmd.name}",
+                    tenant=stream.tenant,
                     ttl_s=cmd.ttl_s,
                     user_metadata=cmd.user_metadata,
                 )
@@ -239,6 +240,7 @@ class Planner:
                 slot=stream.slot,
                 tinker_path=path,
                 sampling_session_id=cmd.sampling_session_id,
+                tenant=stream.tenant,
                 ttl_s=cmd.ttl_s,
             )
         elif isinstance(cmd, LoadWeights):

@@ -61,7 +61,9 @@ async def create_session(
         sdk_version=data.sdk_version,
     )
     await gateway.store.create(s.KV_SESSIONS, session_id, record, SessionRecord)
-    await gateway.bus.emit(SessionEvent(session_id=session_id, what="created", tenant=tenant.id, at_ns=now_ns()))
+    await gateway.bus.emit(
+        SessionEvent(session_id=session_id, what="created", tenant=tenant.id, at_ns=now_ns())
+    )
     return w.CreateSessionResponse(session_id=session_id)
 
 
@@ -75,7 +77,9 @@ async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> Se
 
 
 @post("/api/v1/session_heartbeat", status_code=200, operation_id="session_heartbeat")
-async def session_heartbeat(data: w.SessionHeartbeatRequest, gateway: Gateway, tenant: Tenant) -> w.SessionHeartbeatResponse:
+async def session_heartbeat(
+    data: w.SessionHeartbeatRequest, gateway: Gateway, tenant: Tenant
+) -> w.SessionHeartbeatResponse:
     await owned_session(gateway, tenant, data.session_id)
     return w.SessionHeartbeatResponse()
 
@@ -89,7 +93,9 @@ async def finish_session(
         record.finished = True
         await gateway.store.put(s.KV_SESSIONS, s.token(session_id), record)
         await gateway.bus.emit(
-            SessionEvent(session_id=session_id, what=f"finished:{data.reason.type}", tenant=tenant.id, at_ns=now_ns())
+            SessionEvent(
+                session_id=session_id, what=f"finished:{data.reason.type}", tenant=tenant.id, at_ns=now_ns()
+            )
         )
     return {"status": "finished"}
 
@@ -104,7 +110,9 @@ async def get_server_capabilities(gateway: Gateway, tenant: Tenant) -> w.GetServ
     model = gateway.model
     return w.GetServerCapabilitiesResponse(
         supported_models=[
-            w.SupportedModel(model_name=model.name, max_context_length=model.max_context, trainable=True, sampleable=True)
+            w.SupportedModel(
+                model_name=model.name, max_context_length=model.max_context, trainable=True, sampleable=True
+            )
         ]
     )
 

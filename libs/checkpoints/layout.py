@@ -1,0 +1,113 @@
+"""Where checkpoints live under the data root, and the atomic directory transaction.
+
+    DATA/checkpoints/<run>/<segment>/<name>           -> a relative symlink to a version
+    DATA/checkpoints/<run>/<segment>/.versions/<name>@<version>/   immutable contents
+
+A version directory is written under a temporary name, every file and the directory are fsynced,
+then it is renamed into place; only then is the public name switched, by renaming a fresh symlink
+over the old one. A crash at any moment leaves the old or the new complete version reachable, and
+older versions stay on disk for readers that already resolved them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+SEGMENT = {"training": "weights", "sampler": "sampler_weights"}
+
+
+def _fs_token(value: str) -> str:
+    return value.replace(":", "=")
+
+
+def public_path(data_dir: Path, run_id: str, kind: str, name: str) -> Path:
+    return data_dir / "checkpoints" / _fs_token(run_id) / SEGMENT[kind] / name
+
+
+def versions_dir(data_dir: Path, run_id: str, kind: str) -> Path:
+    return data_dir / "checkpoints" / _fs_token(run_id) / SEGMENT[kind] / ".versions"
+
+
+def ephemeral_dir(data_dir: Path, sampler_id: str, version: str) -> Path:
+    return data_dir / "samplers" / _fs_token(sampler_id) / version
+
+
+def staging_dir(data_dir: Path, unit_id: str, request_id: str) -> Path:
+    return data_dir / "staging" / f"{unit_id}-{_fs_token(request_id)}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_dir_atomically(
+    final: Path, files: dict[str, bytes] | None = None, copy_from: Path | None = None
+) -> Path:
+    """Create `final` with the given contents, all or nothing. Returns `final`.
+
+    If `final` already exists (a retried write), it is kept as it is: versions are immutable.
+    """
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        if copy_from is not None:
+            for src in sorted(copy_from.iterdir()):
+                if src.is_file():
+                    shutil.copyfile(src, tmp / src.name)
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        for child in tmp.iterdir():
+            child.chmod(0o644)  # sampling engines may run as another user
+            with open(child, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if final.exists():  # another writer won the race with the same immutable content
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            raise
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def switch_link(public: Path, target: Path) -> None:
+    """Atomically point `public` at `target` (a relative symlink, swapped by rename)."""
+    public.parent.mkdir(parents=True, exist_ok=True)
+    link = public.parent / f".link-{public.name}-{uuid.uuid4().hex[:8]}"
+    os.symlink(os.path.relpath(target, public.parent), link)
+    os.replace(link, public)
+    fsync_dir(public.parent)
+
+
+def resolve(public: Path) -> Path | None:
+    """The version directory a public name points at, or None."""
+    if not public.is_symlink() and not public.is_dir():
+        return None
+    target = public.resolve()
+    return target if target.is_dir() else None
+
+
+def clean_temporaries(root: Path) -> int:
+    """Remove `.tmp-*` leftovers of writers that died mid-way (never reachable by a name)."""
+    removed = 0
+    if not root.exists():
+        return 0
+    for tmp in root.rglob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed += 1
+    return removed

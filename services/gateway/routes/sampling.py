@@ -1,0 +1,250 @@
+"""Sampling: create_sampling_session, GET samplers/{id}, asample, join_sampling_session.
+
+Sampling never enters the training path: the gateway sends `/generate` straight to an
+SGLang-compatible engine and appends the result to the results stream, where any replica's
+`retrieve_future` finds it. Retries are deduplicated by (sampling_session_id, seq_id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+from litestar import get, post
+
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts import tinker_wire as w
+from libs.contracts.common import now_ns
+from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
+from libs.contracts.results import Failure, RequestResult, ResultBody
+from services.gateway import sglang
+from services.gateway.auth import Tenant
+from services.gateway.catalog import resolve_checkpoint
+from services.gateway.context import Gateway
+from services.gateway.errors import BadRequest, Conflict, NotFound
+from services.gateway.routes.bootstrap import owned_session
+from services.gateway.submit import fingerprint_json
+
+log = logging.getLogger("tinkerd.gateway.sampling")
+_tasks: set[asyncio.Task[None]] = set()
+_client: httpx.AsyncClient | None = None
+
+
+def client() -> httpx.AsyncClient:
+    global _client
+    if _client is None:
+        _client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
+        )
+    return _client
+
+
+async def owned_sampler(gateway: Gateway, tenant: Tenant, sampler_id: str) -> SamplerRecord:
+    if not s.is_valid_id(sampler_id):
+        raise NotFound(f"sampler {sampler_id!r} not found")
+    record = await gateway.store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord)
+    if record is None or record.tenant != tenant.id:
+        raise NotFound(f"sampler {sampler_id!r} not found")
+    return record
+
+
+@post("/api/v1/create_sampling_session", status_code=200, operation_id="create_sampling_session")
+async def create_sampling_session(
+    data: w.CreateSamplingSessionRequest, gateway: Gateway, tenant: Tenant
+) -> w.CreateSamplingSessionResponse:
+    await owned_session(gateway, tenant, data.session_id)
+    sampler_id = f"{data.session_id}:sample:{data.sampling_session_seq_id}"
+    record = SamplerRecord(
+        sampler_id=sampler_id,
+        tenant=tenant.id,
+        session_id=data.session_id,
+        base_model=gateway.model.name,
+        created_ns=now_ns(),
+    )
+    if data.model_path:
+        checkpoint: CheckpointRecord = await resolve_checkpoint(
+            gateway, tenant, data.model_path, kind="sampler"
+        )
+        record.model_path, record.adapter_name, record.adapter_dir = (
+            data.model_path,
+            checkpoint.adapter_name,
+            checkpoint.directory,
+        )
+    elif data.base_model and not gateway.base_model_matches(data.base_model):
+        raise BadRequest(
+            f"base_model {data.base_model!r} is not served here; this deployment serves {gateway.model.name!r}"
+        )
+    created, existing = await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
+    if not created and (existing.tenant != tenant.id or existing.model_path != record.model_path):
+        raise Conflict(
+            f"sampling_session_seq_id {data.sampling_session_seq_id} was already used for another sampler"
+        )
+    return w.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+
+
+@get("/api/v1/samplers/{sampler_id:str}", operation_id="get_sampler")
+async def get_sampler(sampler_id: str, gateway: Gateway, tenant: Tenant) -> w.GetSamplerResponse:
+    record = await owned_sampler(gateway, tenant, sampler_id)
+    return w.GetSamplerResponse(
+        sampler_id=record.sampler_id, base_model=record.base_model, model_path=record.model_path
+    )
+
+
+@post("/api/v1/join_sampling_session", status_code=200, operation_id="join_sampling_session")
+async def join_sampling_session(
+    data: w.JoinSamplingSessionRequest, gateway: Gateway, tenant: Tenant
+) -> w.JoinSamplingSessionResponse:
+    await owned_sampler(gateway, tenant, data.sampling_session_id)
+    kv = await gateway.bus.kv(s.KV_SAMPLE_SEQ)
+    revision = await kv.put(f"{s.token(data.sampling_session_id)}.clones", b"1")
+    return w.JoinSamplingSessionResponse(client_counter=int(revision))
+
+
+def _stop_params(stop: object) -> dict[str, Any]:
+    if stop is None:
+        return {}
+    if isinstance(stop, str):
+        return {"stop": [stop]}
+    if isinstance(stop, list) and not stop:
+        return {"ignore_eos": True}  # [] disables every stop, EOS included
+    if isinstance(stop, list) and all(isinstance(x, int) for x in stop):
+        # SGLang adds stop_token_ids to EOS (ignore_eos would disable both), so EOS still stops.
+        return {"stop_token_ids": list(stop)}
+    return {"stop": [str(x) for x in stop]}  # type: ignore[attr-defined]
+
+
+@post("/api/v1/asample", status_code=200, operation_id="asample")
+async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    if data.sampling_session_id is None:
+        raise BadRequest("sampling_session_id is required")
+    sampler = await owned_sampler(gateway, tenant, data.sampling_session_id)
+    seq = data.seq_id if data.seq_id is not None else 0
+    if seq < 0:
+        raise BadRequest(f"seq_id must be >= 0, got {seq}")
+    try:
+        prompt = np.asarray(data.prompt.token_ids(), dtype=np.int64)
+    except ValueError as exc:
+        raise BadRequest(f"prompt: text only ({exc})") from exc
+    vocab, context = gateway.model.vocab_size, gateway.model.max_context
+    if prompt.size == 0:
+        raise BadRequest("prompt has no tokens")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        raise BadRequest(f"prompt contains a token id outside [0, {vocab})")
+    if not 1 <= data.num_samples <= gateway.config.max_num_samples:
+        raise BadRequest(
+            f"num_samples must be in [1, {gateway.config.max_num_samples}], got {data.num_samples}"
+        )
+    params = data.sampling_params
+    max_tokens = params.max_tokens if params.max_tokens is not None else context - int(prompt.size)
+    if max_tokens < 1 or prompt.size + max_tokens > context:
+        raise BadRequest(
+            f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the context length {context}"
+        )
+    request_id = f"{sampler.sampler_id}:{seq}"
+    sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
+    digest = fingerprint_json("sample", msgspec.to_builtins(data))
+    key = s.sample_seq_key(sampler.sampler_id, seq)
+    existing = await gateway.store.get(s.KV_SAMPLE_SEQ, key, SeqClaim)
+    if existing is None:
+        gateway.admission.acquire_sampling(data.num_samples)  # 429 before the identity is consumed
+        claim = SeqClaim(
+            request_id=request_id, fingerprint=digest, kind="sample", tenant=tenant.id, accepted_ns=now_ns()
+        )
+        created, existing = await gateway.store.create(s.KV_SAMPLE_SEQ, key, claim, SeqClaim)
+        if created:
+            body = {
+                "input_ids": prompt.tolist(),
+                "sampling_params": {
+                    "temperature": params.temperature,
+                    "top_p": params.top_p,
+                    "top_k": params.top_k,
+                    "max_new_tokens": max_tokens,
+                    "n": data.num_samples,
+                    **({"sampling_seed": params.seed} if params.seed is not None else {}),
+                    **_stop_params(params.stop),
+                },
+                "return_logprob": True,
+                "logprob_start_len": 0 if (data.prompt_logprobs or data.topk_prompt_logprobs) else -1,
+                "top_logprobs_num": max(data.topk_prompt_logprobs, data.topk_sample_logprobs),
+            }
+            task = asyncio.create_task(
+                _run(gateway, tenant, sampler, request_id, seq, body, data, int(prompt.size))
+            )
+            _tasks.add(task)
+            task.add_done_callback(_tasks.discard)
+        else:
+            gateway.admission.release_sampling(data.num_samples)
+    if existing is None or existing.fingerprint != digest:
+        raise Conflict(
+            f"seq_id {seq} of sampler {sampler.sampler_id} was already used for a different sample request"
+        )
+    return w.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
+
+
+async def _adapter(gateway: Gateway, sampler: SamplerRecord) -> str | None:
+    """The engine adapter name to sample with (None: the base model), waiting for a pending save."""
+    if sampler.pending_request_id and not sampler.adapter_name:
+        result = await gateway.board.wait(sampler.pending_request_id, 24 * 3600)
+        if result is None or isinstance(result.body, Failure):
+            raise RuntimeError("the snapshot this sampler was created for failed to save")
+        fresh = await gateway.store.get(s.KV_SAMPLERS, s.token(sampler.sampler_id), SamplerRecord)
+        sampler = fresh or sampler
+    if sampler.adapter_name and sampler.adapter_dir:
+        await sglang.load_adapter(
+            client(), gateway.config.sampler_url, sampler.adapter_name, sampler.adapter_dir
+        )
+    return sampler.adapter_name
+
+
+async def _run(
+    gateway: Gateway,
+    tenant: Tenant,
+    sampler: SamplerRecord,
+    request_id: str,
+    seq: int,
+    body: dict[str, Any],
+    data: w.SampleRequest,
+    prompt_len: int,
+) -> None:
+    result: ResultBody
+    try:
+        adapter = await _adapter(gateway, sampler)
+        if adapter:
+            body["lora_path"] = adapter
+        outputs = await sglang.generate(client(), gateway.config.sampler_url, body)
+        result = sglang.to_sample_result(
+            outputs,
+            prompt_len,
+            bool(data.prompt_logprobs or data.topk_prompt_logprobs),
+            data.topk_prompt_logprobs,
+            data.topk_sample_logprobs,
+            data.prompt_logprobs_last_n,
+        )
+    except sglang.EngineError as exc:
+        result = Failure(
+            error=f"sampling engine refused the request: {exc}",
+            category="user" if exc.status == 400 else "server",
+        )
+    except Exception as exc:
+        log.exception("sample %s failed", request_id)
+        result = Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")
+    finally:
+        gateway.admission.release_sampling(data.num_samples)
+    record = RequestResult(
+        kind="sample",
+        body=result,
+        tenant=tenant.id,
+        model_id=sampler.sampler_id,
+        request_id=request_id,
+        seq_id=seq,
+        at_ns=now_ns(),
+    )
+    await gateway.bus.publish(s.result_subject(request_id), codec.pack(record), msg_id=request_id)
+
+
+ROUTES = [create_sampling_session, get_sampler, join_sampling_session, asample]

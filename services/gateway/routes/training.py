@@ -1,0 +1,385 @@
+"""Training endpoints: create_model, get_info, forward_backward (protobuf or JSON), forward,
+optim_step, save_weights, save_weights_for_sampler, load_weights, unload_model.
+
+Each handler authenticates, decodes, validates, and appends one command to the model's stream
+(see `submit.append`). Nothing runs here: the planner and trainers do the work, and the result
+arrives through `retrieve_future`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import zstandard
+from litestar import Request, post
+
+from libs.contracts import subjects as s
+from libs.contracts import tinker_proto as tp
+from libs.contracts import tinker_wire as w
+from libs.contracts.common import AdamSpec, LoraSpec, now_ns
+from libs.contracts.records import ModelRecord, SamplerRecord
+from libs.contracts.requests import (
+    CheckpointRef,
+    CreateModel,
+    ForwardBackward,
+    LoadWeights,
+    OptimStep,
+    SaveForSampler,
+    SaveWeights,
+)
+from services.gateway.auth import Tenant
+from services.gateway.catalog import check_name, resolve_checkpoint
+from services.gateway.context import Gateway
+from services.gateway.errors import BadRequest, Conflict, NotImplementedYet, TinkerError
+from services.gateway.routes.bootstrap import owned_session
+from services.gateway.submit import append, check_seq, fingerprint_bytes, fingerprint_json, owned_model
+from services.gateway.validation import (
+    Limits,
+    check_adam,
+    check_body_size,
+    check_loss,
+    datums_from_json,
+    datums_from_proto,
+)
+
+PROTOBUF = "application/x-protobuf"
+
+
+def limits(gateway: Gateway) -> Limits:
+    return Limits(gateway.config, gateway.model.vocab_size, gateway.model.max_context)
+
+
+def _future(request_id: str, model_id: str | None = None) -> w.UntypedAPIFuture:
+    return w.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+
+async def _create(
+    gateway: Gateway,
+    tenant: Tenant,
+    session_id: str,
+    model_seq_id: int,
+    base_model: str,
+    lora: LoraSpec,
+    digest: str,
+    user_metadata: dict[str, object] | None,
+    restore: CheckpointRef | None,
+) -> w.UntypedAPIFuture:
+    await owned_session(gateway, tenant, session_id)
+    model_id = f"{session_id}:train:{model_seq_id}"  # the SDK computes this id itself
+    record = ModelRecord(
+        model_id=model_id,
+        tenant=tenant.id,
+        session_id=session_id,
+        base_model=gateway.model.name,
+        lora=lora,
+        created_ns=now_ns(),
+        create_request_id=f"{model_id}:0",
+        user_metadata=user_metadata,
+    )
+    created, existing = await gateway.store.create(s.KV_MODELS, s.token(model_id), record, ModelRecord)
+    if not created and (existing.tenant != tenant.id or existing.lora != lora):
+        raise Conflict(
+            f"model_seq_id {model_seq_id} of session {session_id} already created a different model"
+        )
+    command = CreateModel(
+        model_id=model_id,
+        seq_id=0,
+        session_id=session_id,
+        base_model=gateway.model.name,
+        lora=lora,
+        user_metadata={k: str(v) for k, v in (user_metadata or {}).items()},
+        restore=restore,
+    )
+    request_id = await append(gateway, tenant, model_id, 0, "create_model", digest, command)
+    return _future(request_id, model_id)
+
+
+@post("/api/v1/create_model", status_code=200, operation_id="create_model")
+async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    if not gateway.base_model_matches(data.base_model):
+        raise BadRequest(
+            f"base_model {data.base_model!r} is not served here; this deployment serves {gateway.model.name!r}"
+        )
+    lora = data.lora_config or w.LoraConfig(rank=32)
+    if not 1 <= lora.rank <= gateway.config.max_lora_rank:
+        raise BadRequest(f"lora_config.rank must be in [1, {gateway.config.max_lora_rank}], got {lora.rank}")
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        raise BadRequest("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    if data.optimizer_config.type != "adamw":
+        raise BadRequest(
+            f"optimizer_config.type {data.optimizer_config.type!r} is not supported; use 'adamw'"
+        )
+    if data.model_seq_id < 0:
+        raise BadRequest(f"model_seq_id must be >= 0, got {data.model_seq_id}")
+    spec = LoraSpec(
+        rank=lora.rank,
+        seed=lora.seed,
+        train_attn=lora.train_attn,
+        train_mlp=lora.train_mlp,
+        train_unembed=lora.train_unembed,
+    )
+    digest = fingerprint_json("create_model", msgspec.to_builtins(data))
+    return await _create(
+        gateway,
+        tenant,
+        data.session_id,
+        data.model_seq_id,
+        data.base_model,
+        spec,
+        digest,
+        data.user_metadata,
+        None,
+    )
+
+
+@post("/api/v1/get_info", status_code=200, operation_id="get_info")
+async def get_info(data: w.GetInfoRequest, gateway: Gateway, tenant: Tenant) -> w.GetInfoResponse:
+    record = await owned_model(gateway, tenant, data.model_id)
+    model = gateway.model
+    return w.GetInfoResponse(
+        model_id=record.model_id,
+        model_data=w.ModelData(arch=model.arch, model_name=model.name, tokenizer_id=str(model.path)),
+        is_lora=True,
+        lora_rank=record.lora.rank,
+        model_name=model.name,
+    )
+
+
+async def _forward_backward(
+    gateway: Gateway,
+    tenant: Tenant,
+    model_id: str,
+    seq_id: int | None,
+    digest: str,
+    build: object,
+) -> w.UntypedAPIFuture:
+    await owned_model(gateway, tenant, model_id)
+    seq = check_seq(seq_id)
+    try:
+        command = build() if callable(build) else None
+    except TinkerError as refused:
+        await append(gateway, tenant, model_id, seq, "forward_backward", digest, None, refused)
+        raise
+    assert isinstance(command, ForwardBackward)
+    request_id = await append(gateway, tenant, model_id, seq, "forward_backward", digest, command)
+    return _future(request_id, model_id)
+
+
+@post("/api/v1/forward_backward", status_code=200, operation_id="forward_backward")
+async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:  # type: ignore[type-arg]
+    body = await request.body()
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        try:
+            body = zstandard.ZstdDecompressor().decompress(
+                body, max_output_size=gateway.config.max_request_bytes * 4
+            )
+        except zstandard.ZstdError as exc:
+            raise BadRequest(f"body is not valid zstd: {exc}") from exc
+    check_body_size(len(body), limits(gateway))
+    if PROTOBUF in request.headers.get("content-type", ""):
+        try:
+            req = tp.decode_forward_backward_request(body)
+            config = tp.loss_config(req)
+        except ValueError as exc:
+            raise BadRequest(f"invalid ForwardBackwardRequest: {exc}") from exc
+
+        def build_proto() -> ForwardBackward:
+            datums = datums_from_proto(req.data, limits(gateway))
+            check_loss(req.loss_fn, config, datums)
+            return ForwardBackward(
+                model_id=req.model_id,
+                seq_id=req.seq_id,
+                loss_fn=req.loss_fn,
+                loss_config=config,
+                forward_only=req.forward_only,
+                data=datums,
+            )
+
+        digest = fingerprint_bytes("forward_backward", body)
+        return await _forward_backward(gateway, tenant, req.model_id, req.seq_id, digest, build_proto)
+    legacy = msgspec.json.decode(body, type=w.LegacyForwardBackwardRequest)
+    return await _legacy(
+        gateway, tenant, legacy.model_id, legacy.seq_id, legacy.forward_backward_input, body, False
+    )
+
+
+async def _legacy(
+    gateway: Gateway,
+    tenant: Tenant,
+    model_id: str,
+    seq_id: int | None,
+    inp: w.ForwardBackwardInput,
+    body: bytes,
+    forward_only: bool,
+) -> w.UntypedAPIFuture:
+    config = dict(inp.loss_fn_config or {})
+
+    def build_json() -> ForwardBackward:
+        datums = datums_from_json(inp.data, limits(gateway))
+        check_loss(inp.loss_fn, config, datums)
+        return ForwardBackward(
+            model_id=model_id,
+            seq_id=seq_id or 0,
+            loss_fn=inp.loss_fn,
+            loss_config=config,
+            forward_only=forward_only,
+            data=datums,
+        )
+
+    digest = fingerprint_bytes("forward" if forward_only else "forward_backward", body)
+    return await _forward_backward(gateway, tenant, model_id, seq_id, digest, build_json)
+
+
+@post("/api/v1/forward", status_code=200, operation_id="forward")
+async def forward(request: Request, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:  # type: ignore[type-arg]
+    """SDKs up to 0.24 send forward-only passes here as JSON."""
+    body = await request.body()
+    check_body_size(len(body), limits(gateway))
+    legacy = msgspec.json.decode(body, type=w.LegacyForwardRequest)
+    return await _legacy(gateway, tenant, legacy.model_id, legacy.seq_id, legacy.forward_input, body, True)
+
+
+@post("/api/v1/optim_step", status_code=200, operation_id="optim_step")
+async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+    digest = fingerprint_json("optim_step", msgspec.to_builtins(data))
+    try:
+        params = data.params()
+        if not isinstance(params, w.AdamParams):
+            raise BadRequest(
+                "optimizer_params: only AdamW (adam_params) is supported; this model was created with adamw"
+            )
+        check_adam(params)
+    except (ValueError, BadRequest) as exc:
+        refused = exc if isinstance(exc, BadRequest) else BadRequest(str(exc))
+        await append(gateway, tenant, data.model_id, seq, "optim_step", digest, None, refused)
+        raise refused from None
+    adam = AdamSpec(**msgspec.structs.asdict(params))
+    command = OptimStep(model_id=data.model_id, seq_id=seq, adam=adam)
+    return _future(
+        await append(gateway, tenant, data.model_id, seq, "optim_step", digest, command), data.model_id
+    )
+
+
+@post("/api/v1/save_weights", status_code=200, operation_id="save_weights")
+async def save_weights(data: w.SaveWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+    digest = fingerprint_json("save_weights", msgspec.to_builtins(data))
+    try:
+        name = check_name(data.path, "path")
+    except BadRequest as refused:
+        await append(gateway, tenant, data.model_id, seq, "save_weights", digest, None, refused)
+        raise
+    command = SaveWeights(
+        model_id=data.model_id,
+        seq_id=seq,
+        name=name,
+        ttl_s=data.ttl_seconds,
+        user_metadata=data.user_metadata,
+    )
+    return _future(
+        await append(gateway, tenant, data.model_id, seq, "save_weights", digest, command), data.model_id
+    )
+
+
+@post("/api/v1/save_weights_for_sampler", status_code=200, operation_id="save_weights_for_sampler")
+async def save_weights_for_sampler(
+    data: w.SaveWeightsForSamplerRequest, gateway: Gateway, tenant: Tenant
+) -> w.UntypedAPIFuture:
+    record = await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+    digest = fingerprint_json(
+        "save_weights_for_sampler", msgspec.to_builtins(data), exclude=("sampling_session_seq_id",)
+    )
+    sampler_id: str | None = None
+    try:
+        name = check_name(data.path, "path") if data.path else None
+        if name is None:
+            if data.sampling_session_seq_id is None:
+                raise BadRequest(
+                    "save_weights_for_sampler needs a path (named) or sampling_session_seq_id (ephemeral)"
+                )
+            sampler_id = f"{record.session_id}:sample:{data.sampling_session_seq_id}"
+    except BadRequest as refused:
+        await append(gateway, tenant, data.model_id, seq, "save_weights_for_sampler", digest, None, refused)
+        raise
+    command = SaveForSampler(
+        model_id=data.model_id, seq_id=seq, name=name, sampling_session_id=sampler_id, ttl_s=data.ttl_seconds
+    )
+    request_id = await append(
+        gateway, tenant, data.model_id, seq, "save_weights_for_sampler", digest, command
+    )
+    if sampler_id is not None:
+        sampler = SamplerRecord(
+            sampler_id=sampler_id,
+            tenant=tenant.id,
+            session_id=record.session_id,
+            base_model=gateway.model.name,
+            pending_request_id=request_id,
+            created_ns=now_ns(),
+        )
+        await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), sampler, SamplerRecord)
+    return _future(request_id, data.model_id)
+
+
+@post("/api/v1/load_weights", status_code=200, operation_id="load_weights")
+async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    if data.session_id is not None and data.model_seq_id is not None:  # create mode
+        checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
+        ref = CheckpointRef(
+            tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer
+        )
+        digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
+        return await _create(
+            gateway,
+            tenant,
+            data.session_id,
+            data.model_seq_id,
+            checkpoint.base_model,
+            checkpoint.lora,
+            digest,
+            data.user_metadata,
+            ref,
+        )
+    if data.model_id is None:
+        raise BadRequest(
+            "load_weights needs session_id and model_seq_id (create mode) or model_id and seq_id"
+        )
+    record = await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+    digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
+    try:
+        checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
+        if checkpoint.lora.rank != record.lora.rank:
+            raise BadRequest(
+                f"checkpoint {data.path} has LoRA rank {checkpoint.lora.rank}; model {data.model_id} has rank {record.lora.rank}"
+            )
+    except TinkerError as refused:
+        await append(gateway, tenant, data.model_id, seq, "load_weights", digest, None, refused)
+        raise
+    ref = CheckpointRef(tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer)
+    command = LoadWeights(model_id=data.model_id, seq_id=seq, restore=ref)
+    return _future(
+        await append(gateway, tenant, data.model_id, seq, "load_weights", digest, command), data.model_id
+    )
+
+
+@post("/api/v1/unload_model", status_code=200, operation_id="unload_model")
+async def unload_model(data: w.UnloadModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    """Never public in the SDK; frees the model's adapter slot. Sequenced after everything queued."""
+    await owned_model(gateway, tenant, data.model_id)
+    raise NotImplementedYet("unload_model is not offered yet: finish the session instead")
+
+
+ROUTES = [
+    create_model,
+    get_info,
+    forward_backward,
+    forward,
+    optim_step,
+    save_weights,
+    save_weights_for_sampler,
+    load_weights,
+    unload_model,
+]

@@ -1,0 +1,168 @@
+"""Appending an accepted training command to its model's stream, exactly once per (model, seq_id).
+
+The identity table (KV `tinker_seq`) is claimed with a create-only write before the append:
+- a new (model, seq_id) is claimed, then its command is appended;
+- an identical retry finds its own claim (same fingerprint) and gets the same request id; the
+  append is repeated, which JetStream's `Nats-Msg-Id` dedupe (or the planner's seq dedupe) drops,
+  closing the window where a gateway died between claim and append;
+- the same (model, seq_id) with different content is 422;
+- content the gateway refuses still consumes its seq_id (a `Rejected` command is appended), so a
+  later seq_id never waits on it, and the client gets the 400 — the same 400 on every retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import msgspec
+
+from infra import tracing
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.common import now_ns
+from libs.contracts.events import RequestAccepted, RequestRejected
+from libs.contracts.records import ModelRecord, SeqClaim
+from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected
+from services.gateway.auth import Tenant
+from services.gateway.context import Gateway
+from services.gateway.errors import BadRequest, Conflict, NotFound, TinkerError
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def request_id_for(model_id: str, seq_id: int) -> str:
+    """Deterministic from the SDK's own coordinates, so every replica agrees without talking."""
+    return f"{model_id}:{seq_id}"
+
+
+def fingerprint_bytes(kind: str, body: bytes) -> str:
+    """A digest of a (decompressed) protobuf body: SDK retries resend identical bytes."""
+    return hashlib.sha256(kind.encode() + b"|" + body).hexdigest()
+
+
+def fingerprint_json(kind: str, body: object, exclude: tuple[str, ...] = ()) -> str:
+    """A digest of a JSON body, minus fields the SDK regenerates on every attempt.
+
+    (save_weights_for_sampler's `sampling_session_seq_id` is drawn anew per HTTP attempt.)
+    """
+    fields = dict(body) if isinstance(body, dict) else {"body": body}
+    for name in exclude:
+        fields.pop(name, None)
+    canonical = msgspec.json.encode(fields, order="sorted")
+    return hashlib.sha256(kind.encode() + b"|" + canonical).hexdigest()
+
+
+async def owned_model(gateway: Gateway, tenant: Tenant, model_id: str) -> ModelRecord:
+    """The model if it exists and belongs to the caller; 404 otherwise (existence is not leaked)."""
+    if not s.is_valid_id(model_id):
+        raise NotFound(f"model {model_id!r} not found")
+    record = await gateway.store.get(s.KV_MODELS, s.token(model_id), ModelRecord)
+    if record is None or record.tenant != tenant.id:
+        raise NotFound(f"model {model_id!r} not found")
+    return record
+
+
+def check_seq(seq_id: int | None, first: int = 1) -> int:
+    if seq_id is None or isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < first:
+        raise BadRequest(f"seq_id must be an integer >= {first}, got {seq_id!r}")
+    return seq_id
+
+
+async def append(
+    gateway: Gateway,
+    tenant: Tenant,
+    model_id: str,
+    seq_id: int,
+    kind: str,
+    digest: str,
+    command: ModelCommand | None,
+    refused: TinkerError | None = None,
+) -> str:
+    """Claim (model, seq_id) and append `command` (or a `Rejected` for `refused`). Returns the request id.
+
+    Raises `refused` after consuming the seq_id, Conflict on a different payload for a claimed
+    seq_id, and Overloaded (before claiming anything) when the model or tenant is at its limit.
+    """
+    request_id = request_id_for(model_id, seq_id)
+    key = s.seq_key(model_id, seq_id)
+    existing = await gateway.store.get(s.KV_SEQ, key, SeqClaim)
+    if existing is None:
+        gateway.admission.check_training(tenant.id, model_id, seq_id)
+        claim = SeqClaim(
+            request_id=request_id,
+            fingerprint=digest,
+            kind=kind,
+            tenant=tenant.id,
+            accepted_ns=now_ns(),
+            error=refused.message if refused else None,
+            status=refused.status if refused else 200,
+        )
+        created, existing = await gateway.store.create(s.KV_SEQ, key, claim, SeqClaim)
+        if created:
+            existing = claim
+    assert existing is not None
+    if existing.fingerprint != digest:
+        raise Conflict(
+            f"seq_id {seq_id} of model {model_id} was already used for a different {existing.kind} request; "
+            "a retry must resend the same content (use the next seq_id for new work)"
+        )
+    traceparent = tracing.current_traceparent()
+    envelope: dict[str, object] = {
+        "tenant": tenant.id,
+        "request_id": request_id,
+        "at_ns": existing.accepted_ns,
+        "traceparent": traceparent,
+    }
+    to_append: ModelCommand
+    if existing.error is not None or command is None:
+        existing = msgspec.structs.replace(existing, error=existing.error or "request refused")
+        to_append = Rejected(kind=kind, error=existing.error, model_id=model_id, seq_id=seq_id, **envelope)  # type: ignore[arg-type]
+    else:
+        to_append = msgspec.structs.replace(command, **envelope)
+    await gateway.bus.publish(
+        s.request_subject(model_id),
+        codec.pack(to_append),
+        msg_id=request_id,
+        traceparent=traceparent,
+    )
+    if existing.error is not None:
+        _emit(
+            gateway,
+            RequestRejected(
+                kind=kind,
+                status=existing.status,
+                error=existing.error,
+                tenant=tenant.id,
+                model_id=model_id,
+                request_id=request_id,
+                seq_id=seq_id,
+                at_ns=now_ns(),
+            ),
+        )
+        raise (refused or BadRequest(existing.error or "request refused"))
+    assert command is not None
+    gateway.admission.admitted(tenant.id, model_id, seq_id, request_id)
+    datums = len(command.data) if isinstance(command, ForwardBackward) else 0
+    tokens = sum(d.num_tokens for d in command.data) if isinstance(command, ForwardBackward) else 0
+    _emit(
+        gateway,
+        RequestAccepted(
+            kind=kind,
+            num_datums=datums,
+            num_tokens=tokens,
+            tenant=tenant.id,
+            model_id=model_id,
+            request_id=request_id,
+            seq_id=seq_id,
+            at_ns=now_ns(),
+        ),
+    )
+    return request_id
+
+
+def _emit(gateway: Gateway, event: RequestAccepted | RequestRejected) -> None:
+    """Operation events are off the request's critical path."""
+    task = asyncio.create_task(gateway.bus.emit(event))
+    _background.add(task)
+    task.add_done_callback(_background.discard)

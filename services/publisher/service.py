@@ -1,0 +1,263 @@
+"""The publisher: materializes snapshots, registers them, loads them into sampling engines.
+
+For each PublishSnapshot (from a trainer): copy the staging directory into an immutable version
+directory (atomic: temp, fsync, rename), switch the public name to it (atomic symlink swap),
+load sampler snapshots into every engine, record the checkpoint in the catalogue, answer the
+request's future and emit SnapshotPublished. Every step is idempotent, and the message is acked
+last, so a publisher killed at any point redoes the work on restart with the same result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from infra.bus import Bus, fetch_loop
+from libs.checkpoints import layout
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.common import now_ns
+from libs.contracts.events import RequestCompleted, RequestFailed, SnapshotPublished
+from libs.contracts.records import CheckpointRecord, SamplerRecord
+from libs.contracts.results import Failure, JsonResult, RequestResult, ResultBody
+from libs.contracts.snapshots import PublishSnapshot
+from services.publisher.config import PublisherConfig
+from services.publisher.engines import adapter_name, load_adapter
+
+log = logging.getLogger("tinkerd.publisher")
+
+
+def parse_path(tinker_path: str) -> tuple[str, str]:
+    run, _segment, name = tinker_path.removeprefix("tinker://").split("/")
+    return run, name
+
+
+def checkpoint_key(run: str, kind: str, name: str) -> str:
+    return f"{s.token(run)}.{kind}.{name}"
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+class PublisherService:
+    def __init__(self, bus: Bus, config: PublisherConfig, client: httpx.AsyncClient) -> None:
+        self.bus = bus
+        self.config = config
+        self.client = client
+        self.data_dir = Path(config.data_dir).expanduser().resolve()
+
+    async def ensure_consumer(self) -> None:
+        await self.bus.js.add_consumer(
+            s.STREAM_PUBLISH,
+            ConsumerConfig(
+                durable_name=s.DURABLE_PUBLISHER,
+                filter_subject=s.PUBLISH_ALL,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=300.0,
+                max_ack_pending=64,
+            ),
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        layout.clean_temporaries(self.data_dir / "checkpoints")
+        layout.clean_temporaries(self.data_dir / "samplers")
+        sub = await self.bus.pull(s.PUBLISH_ALL, s.DURABLE_PUBLISHER, s.STREAM_PUBLISH)
+        reaper = asyncio.create_task(self._reap(stop))
+        try:
+            await fetch_loop(sub, self._on_messages, stop, batch=8, wait_s=1.0)
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+
+    async def _on_messages(self, msgs: list[Msg]) -> None:
+        for msg in msgs:
+            publish = codec.publish_decoder.decode(msg.data)
+            try:
+                body = await self.publish(publish)
+            except Exception as exc:
+                log.exception("publishing %s failed", publish.request_id)
+                body = Failure(
+                    error=f"publishing the snapshot failed: {type(exc).__name__}: {exc}", category="server"
+                )
+            await self._answer(publish, body)
+            await msg.ack()
+
+    async def publish(self, p: PublishSnapshot) -> ResultBody:
+        staging = Path(p.staging_dir)
+        if p.tinker_path is not None:
+            run, name = parse_path(p.tinker_path)
+            version_dir = layout.versions_dir(self.data_dir, run, p.kind) / f"{name}@{p.version}"
+            await asyncio.to_thread(
+                layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
+            )
+            await asyncio.to_thread(
+                layout.switch_link, layout.public_path(self.data_dir, run, p.kind, name), version_dir
+            )
+            engine_name = adapter_name(run, name, p.version)
+            if p.kind == "sampler":
+                await self._load_everywhere(engine_name, version_dir)
+            record = CheckpointRecord(
+                tinker_path=p.tinker_path,
+                training_run_id=run,
+                kind=p.kind,
+                name=name,
+                tenant=p.tenant,
+                base_model=p.base_model,
+                lora=p.lora,
+                directory=str(version_dir),
+                created_ns=now_ns(),
+                size_bytes=dir_size(version_dir),
+                expires_ns=now_ns() + p.ttl_s * 1_000_000_000 if p.ttl_s else None,
+                user_metadata=dict(p.user_metadata) if p.user_metadata else None,
+                adapter_name=engine_name if p.kind == "sampler" else None,
+            )
+            kv = await self.bus.kv(s.KV_CHECKPOINTS)
+            await kv.put(checkpoint_key(run, p.kind, name), codec.to_json(record))
+            await self._event(p, engine_name, version_dir)
+            body = JsonResult(
+                body={
+                    "path": p.tinker_path,
+                    "type": "save_weights" if p.kind == "training" else "save_weights_for_sampler",
+                }
+            )
+        else:
+            assert p.sampling_session_id is not None
+            version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
+            await asyncio.to_thread(
+                layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
+            )
+            engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
+            await self._load_everywhere(engine_name, version_dir)
+            kv = await self.bus.kv(s.KV_SAMPLERS)
+            key = s.token(p.sampling_session_id)
+            entry = await kv.get(key)
+            sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
+            sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
+            await kv.put(key, codec.to_json(sampler))
+            await self._event(p, engine_name, version_dir)
+            body = JsonResult(
+                body={"sampling_session_id": p.sampling_session_id, "type": "save_weights_for_sampler"}
+            )
+        shutil.rmtree(staging, ignore_errors=True)
+        return body
+
+    async def _load_everywhere(self, name: str, directory: Path) -> None:
+        for url in self.config.engines():
+            await load_adapter(self.client, url, name, str(directory))
+
+    async def _event(self, p: PublishSnapshot, engine_name: str, directory: Path) -> None:
+        await self.bus.emit(
+            SnapshotPublished(
+                tinker_path=p.tinker_path or p.sampling_session_id or "",
+                adapter_name=engine_name,
+                directory=str(directory),
+                model_id=p.model_id,
+                request_id=p.request_id,
+                seq_id=p.seq_id,
+                tenant=p.tenant,
+                at_ns=now_ns(),
+            )
+        )
+
+    async def _answer(self, p: PublishSnapshot, body: ResultBody) -> None:
+        kind = "save_weights" if p.kind == "training" else "save_weights_for_sampler"
+        result = RequestResult(
+            kind=kind,
+            body=body,
+            tenant=p.tenant,
+            model_id=p.model_id,
+            request_id=p.request_id,
+            seq_id=p.seq_id,
+            at_ns=now_ns(),
+            traceparent=p.traceparent,
+        )
+        await self.bus.publish(s.result_subject(p.request_id), codec.pack(result), msg_id=p.request_id)
+        if isinstance(body, Failure):
+            await self.bus.emit(
+                RequestFailed(
+                    kind=kind,
+                    error=body.error,
+                    category=body.category,
+                    duration_ms=0.0,
+                    model_id=p.model_id,
+                    request_id=p.request_id,
+                    seq_id=p.seq_id,
+                    tenant=p.tenant,
+                    at_ns=now_ns(),
+                )
+            )
+        else:
+            await self.bus.emit(
+                RequestCompleted(
+                    kind=kind,
+                    duration_ms=0.0,
+                    model_id=p.model_id,
+                    request_id=p.request_id,
+                    seq_id=p.seq_id,
+                    tenant=p.tenant,
+                    at_ns=now_ns(),
+                )
+            )
+
+    async def _reap(self, stop: asyncio.Event) -> None:
+        """Delete checkpoints whose ttl_seconds passed (catalogue entry, public name, versions)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.reap_interval_s)
+            with contextlib.suppress(Exception):
+                await reap_expired(self.bus, self.data_dir, time.time_ns())
+
+
+async def reap_expired(bus: Bus, data_dir: Path, now: int) -> int:
+    import nats.js.errors
+
+    kv = await bus.kv(s.KV_CHECKPOINTS)
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return 0
+    removed = 0
+    for key in keys:
+        entry = await kv.get(key)
+        if not entry.value:
+            continue
+        record = codec.from_json(entry.value, CheckpointRecord)
+        if record.expires_ns is not None and record.expires_ns <= now:
+            await delete_checkpoint_files(data_dir, record)
+            await kv.delete(key)
+            removed += 1
+    return removed
+
+
+async def delete_checkpoint_files(data_dir: Path, record: CheckpointRecord) -> None:
+    public = layout.public_path(data_dir, record.training_run_id, record.kind, record.name)
+    versions = layout.versions_dir(data_dir, record.training_run_id, record.kind)
+    if public.is_symlink():
+        public.unlink()
+    for version in versions.glob(f"{record.name}@*") if versions.exists() else []:
+        shutil.rmtree(version, ignore_errors=True)
+
+
+async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
+    from infra.streams import ensure_streams
+
+    bus = await Bus.connect(config.nats_url, "publisher")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        try:
+            await ensure_streams(bus.js)
+            service = PublisherService(bus, config, client)
+            await service.ensure_consumer()
+            await service.run(stop)
+        finally:
+            await bus.close()

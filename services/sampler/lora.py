@@ -1,0 +1,321 @@
+"""Multi-adapter LoRA for inference: PEFT directories in, per-row adapters in one batch.
+
+Every targeted ``nn.Linear`` of the base model is wrapped in a ``LoRALinear`` that
+computes, for each row ``i`` of the batch with adapter ``a(i)``::
+
+    y_i = W x_i + s_a · B_a (A_a x_i)        A_a: (r, in), B_a: (out, r), s_a = alpha / r
+
+(``alpha / sqrt(r)`` with rsLoRA).  Rows without an adapter get the base model.  The
+wrappers share one ``LoRARouting`` that the engine sets before every forward call: a
+list of ``(adapter, row indices)`` groups, so one forward serves many adapters and the
+LoRA matmuls run once per distinct adapter, never per row.  This is exactly PEFT's
+``base(x) + lora_B(lora_A(x)) * scaling`` (dropout is off at inference).
+
+``AdapterRegistry`` maps names to directories and keeps at most ``capacity`` adapters
+resident, evicting the least recently used unpinned one.  An evicted adapter stays
+registered and is reloaded from its directory on its next use.  Rows that are already
+decoding hold their adapter object, so an eviction or unload never disturbs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT key layout: "base_model.model.<module>.lora_A[.<adapter name>].weight".
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# PEFT also saves the base weight of a targeted lm_head/embedding ("save_embedding_layers").
+_BASE_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be loaded or used (bad directory, unsupported config, rank too large)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One module's low-rank update; ``a``: (r, in), ``b``: (out, r)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedAdapter:
+    """An adapter in memory, keyed by HF module name (``model.layers.0.self_attn.q_proj``)."""
+
+    name: str
+    path: str
+    rank: int
+    modules: dict[str, LoRAWeights]
+
+
+class LoRARouting:
+    """Which rows of the next forward use which adapter; shared by all ``LoRALinear``s."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[LoadedAdapter, torch.Tensor | None]] = []
+
+    def route(self, row_adapters: Sequence[LoadedAdapter | None]) -> None:
+        """Set the adapter of every row of the next forward (``None`` = base model)."""
+        rows_by_adapter: dict[int, tuple[LoadedAdapter, list[int]]] = {}
+        for row, adapter in enumerate(row_adapters):
+            if adapter is not None:
+                rows_by_adapter.setdefault(id(adapter), (adapter, []))[1].append(row)
+        groups: list[tuple[LoadedAdapter, torch.Tensor | None]] = []
+        for adapter, rows in rows_by_adapter.values():
+            # A group covering the whole batch needs no gather/scatter.
+            index = None if len(rows) == len(row_adapters) else torch.tensor(rows, dtype=torch.long)
+            groups.append((adapter, index))
+        self.groups = groups
+
+    @contextmanager
+    def routed(self, row_adapters: Sequence[LoadedAdapter | None]) -> Iterator[None]:
+        """Route for the duration of one forward call, then fall back to the base model."""
+        self.route(row_adapters)
+        try:
+            yield
+        finally:
+            self.groups = []
+
+
+class LoRALinear(nn.Module):
+    """``base`` plus the routed adapters' low-rank updates (see the module docstring)."""
+
+    def __init__(self, base: nn.Linear, name: str, routing: LoRARouting) -> None:
+        super().__init__()
+        self.base = base
+        self.name = name
+        self.routing = routing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # (B, T, out)
+        for adapter, rows in self.routing.groups:
+            w = adapter.modules.get(self.name)
+            if w is None:
+                continue
+            if rows is None:
+                y = y + (x @ w.a.T) @ w.b.T * w.scaling  # (B, T, r) -> (B, T, out)
+            else:
+                delta = (x[rows] @ w.a.T) @ w.b.T * w.scaling  # (b, T, out)
+                y = y.index_add(0, rows, delta)
+        return y
+
+
+def install_lora(model: nn.Module) -> tuple[LoRARouting, dict[str, nn.Linear]]:
+    """Wrap every ``nn.Linear`` named like a ``TARGET_MODULES`` entry, in place.
+
+    Returns:
+        The routing shared by the wrappers and ``{module name: wrapped base linear}``.
+    """
+    routing = LoRARouting()
+    bases: dict[str, nn.Linear] = {}
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in TARGET_MODULES
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(module, name, routing))
+        bases[name] = module
+    return routing, bases
+
+
+def _pattern_value(patterns: dict[str, float], module: str) -> float | None:
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: a key matches a module-name suffix."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return float(value)
+    return None
+
+
+def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: int) -> LoadedAdapter:
+    """Load and validate a PEFT LoRA directory against the model's target modules.
+
+    Raises:
+        AdapterError: missing files, a non-LoRA or unsupported PEFT config (DoRA, LoRA
+            bias, ``modules_to_save``, embedding adapters), tensors for modules the
+            model does not have or that are not LoRA targets, saved base weights that
+            differ from the model's, shape mismatches, or a rank above ``max_rank``.
+    """
+    root = Path(path)
+    config_file, weights_file = root / ADAPTER_CONFIG, root / ADAPTER_WEIGHTS
+    if not root.is_dir():
+        raise AdapterError(f"adapter directory {path!r} does not exist")
+    if not config_file.is_file() or not weights_file.is_file():
+        raise AdapterError(f"adapter directory {path!r} needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    try:
+        cfg = json.loads(config_file.read_text())
+        tensors = load_file(str(weights_file), device="cpu")
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {path!r} has peft_type {cfg.get('peft_type')!r}; only LORA is supported")
+    for flag in ("use_dora", "lora_bias"):
+        if cfg.get(flag):
+            raise AdapterError(f"adapter {path!r} sets {flag}, which is not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(f"adapter {path!r} has modules_to_save, which is not supported")
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is not None:
+            pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+            continue
+        base = _BASE_KEY.match(key)
+        if base is not None and base["module"] in bases:
+            # Only a copy of the model's own weight is acceptable (no resized vocabulary).
+            if not torch.equal(tensor.to(bases[base["module"]].weight.dtype), bases[base["module"]].weight):
+                raise AdapterError(f"adapter {path!r} replaces the base weight of {base['module']!r}")
+            continue
+        raise AdapterError(f"adapter {path!r} has an unsupported tensor {key!r}")
+    if not pairs:
+        raise AdapterError(f"adapter {path!r} has no LoRA tensors")
+
+    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    modules: dict[str, LoRAWeights] = {}
+    max_seen = 0
+    for module, ab in sorted(pairs.items()):
+        if module not in bases:
+            raise AdapterError(
+                f"adapter {path!r} targets {module!r}, which is not a supported LoRA target of this model "
+                f"(supported: {', '.join(TARGET_MODULES)})"
+            )
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {path!r} lacks lora_A or lora_B for {module!r}")
+        a, b = ab["A"].float().contiguous(), ab["B"].float().contiguous()
+        in_features, out_features = bases[module].in_features, bases[module].out_features
+        rank = a.shape[0]
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise AdapterError(
+                f"adapter {path!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                f"expected ({rank}, {in_features}) and ({out_features}, {rank})"
+            )
+        declared = _pattern_value(rank_pattern, module)
+        if declared is not None and int(declared) != rank:
+            raise AdapterError(
+                f"adapter {path!r}: {module} has rank {rank}, rank_pattern says {int(declared)}"
+            )
+        if rank > max_rank:
+            raise AdapterError(f"adapter {path!r} has rank {rank}, above max_lora_rank {max_rank}")
+        mod_alpha = _pattern_value(alpha_pattern, module) or alpha
+        scaling = mod_alpha / math.sqrt(rank) if cfg.get("use_rslora") else mod_alpha / rank
+        modules[module] = LoRAWeights(a=a, b=b, scaling=scaling)
+        max_seen = max(max_seen, rank)
+    return LoadedAdapter(name=name, path=str(path), rank=max_seen, modules=modules)
+
+
+@dataclass(slots=True)
+class _Entry:
+    path: str
+    pinned: bool
+
+
+class AdapterRegistry:
+    """Adapter names → directories, with an LRU-bounded set of resident adapters.
+
+    Thread-safe; loads happen under the lock (they are rare and short).
+    """
+
+    def __init__(self, loader: Callable[[str, str], LoadedAdapter], capacity: int) -> None:
+        self._loader = loader
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._resident: OrderedDict[str, LoadedAdapter] = OrderedDict()  # LRU first
+        self.loads = 0
+        self.evictions = 0
+
+    def register(self, name: str, path: str, *, pinned: bool = False) -> None:
+        """Load ``path`` now (to validate it) and serve it under ``name``.
+
+        Raises:
+            AdapterError: the name is taken, the adapter is invalid, or every resident
+                adapter is pinned.
+        """
+        with self._lock:
+            if name in self._entries:
+                raise AdapterError(
+                    f"the LoRA adapter with name {name!r} is already loaded; names are immutable, "
+                    "unload it first or use a new name"
+                )
+            adapter = self._loader(name, path)
+            self._admit(adapter)
+            self._entries[name] = _Entry(path=path, pinned=pinned)
+
+    def unregister(self, name: str) -> None:
+        """Stop serving ``name``; rows already decoding with it finish normally."""
+        with self._lock:
+            if name not in self._entries:
+                raise AdapterError(f"the LoRA adapter with name {name!r} is not loaded")
+            del self._entries[name]
+            self._resident.pop(name, None)
+
+    def get(self, name: str) -> LoadedAdapter:
+        """The resident adapter ``name``, reloading it from its directory if it was evicted."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise AdapterError(f"the LoRA adapter {name!r} is not loaded (use /load_lora_adapter first)")
+            adapter = self._resident.get(name)
+            if adapter is not None:
+                self._resident.move_to_end(name)
+                return adapter
+            try:
+                adapter = self._loader(name, entry.path)
+            except AdapterError as exc:
+                raise AdapterError(f"adapter {name!r} was evicted and cannot be reloaded: {exc}") from exc
+            self._admit(adapter)
+            return adapter
+
+    def paths(self) -> dict[str, str]:
+        with self._lock:
+            return {name: entry.path for name, entry in self._entries.items()}
+
+    def resident(self) -> list[str]:
+        """Resident adapter names, least recently used first."""
+        with self._lock:
+            return list(self._resident)
+
+    def _admit(self, adapter: LoadedAdapter) -> None:
+        """Make room (evicting LRU unpinned adapters), then insert ``adapter`` as most recent."""
+        while len(self._resident) >= self._capacity:
+            victim = next(
+                (n for n in self._resident if not (n in self._entries and self._entries[n].pinned)), None
+            )
+            if victim is None:
+                raise AdapterError(
+                    f"cannot load adapter {adapter.name!r}: all {self._capacity} resident adapters are pinned"
+                )
+            del self._resident[victim]
+            self.evictions += 1
+        self._resident[adapter.name] = adapter
+        self.loads += 1

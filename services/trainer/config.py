@@ -1,0 +1,28 @@
+"""Trainer settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, from_env
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str = DEFAULT_NATS_URL
+    data_dir: str = DEFAULT_DATA_DIR
+    base_model: str = "tiny-qwen3"
+    group: str = "default"
+    """Trainer group: the planner's work subject; all ranks of one TP group share it."""
+    trainer_id: str = ""
+    """Defaults to `<group>-<hostname>-<pid>`."""
+    num_slots: int = 8
+    max_lora_rank: int = 64
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)."""
+    heartbeat_s: float = 5.0
+
+
+def load_config(env: Mapping[str, str], **overrides: object) -> TrainerConfig:
+    return from_env(TrainerConfig, "trainer", env, **overrides)

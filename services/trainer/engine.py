@@ -1,0 +1,259 @@
+"""``TrainerEngine``: multi-tenant LoRA training over one frozen megatron-core base model.
+
+The engine is a pure library (no NATS, no HTTP).  It owns the base model, a fixed pool of
+adapter slots (``lora.AdapterPool``), the per-slot AdamW state (``optim.SlotAdamW``) and the
+set of slots holding un-stepped gradients.  ``forward_backward`` packs the datums of any number
+of slots into one THD stream, runs the model once, computes each datum's loss
+(``losses.py``) and backpropagates their plain sum.
+
+SPMD contract: with tensor parallelism every rank of the TP group makes the same calls with the
+same arguments in the same order (collectives run inside forward, backward, ``optim_step``,
+``get_slot_state`` and ``export_peft``); every rank returns the same results.
+
+Invariant: gradients accumulate in each slot's tensors across ``forward_backward`` calls and
+leave only through that slot's ``optim_step``, ``discard_grads``, ``release_slot`` or
+``set_slot_state``; nothing a call does to one slot changes another slot's weights, moments,
+step counter or gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.trainer import slot_state
+from services.trainer.lora import AdapterPool, SlotConfig
+from services.trainer.loss_specs import resolve_config, validate_loss_request
+from services.trainer.losses import LOSS_FNS
+from services.trainer.model import build_model
+from services.trainer.optim import AdamParams, SlotAdamW, StepReport, zero_grads
+from services.trainer.packing import DatumInput, PackedBatch, pack
+from services.trainer.parallel import ensure_model_parallel, tp_all_gather
+from services.trainer.peft_export import export_peft
+from services.trainer.slot_state import SlotState
+
+__all__ = [
+    "AdamParams",
+    "DatumInput",
+    "DatumOutput",
+    "EngineConfig",
+    "SlotConfig",
+    "SlotState",
+    "StepReport",
+    "TrainerEngine",
+]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build a ``TrainerEngine``.  The TP size is the torch.distributed world size."""
+
+    base_model_dir: str
+    num_slots: int = 8
+    max_lora_rank: int = 64
+    device: str = "cpu"  # "cpu" | "cuda"
+    dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    attention_backend: str = "sdpa_per_document"  # a key of attention.ATTENTION_BACKENDS
+
+
+@dataclass(frozen=True)
+class DatumOutput:
+    """One datum's result: target-token log-probabilities and its loss (a plain sum)."""
+
+    logprobs: np.ndarray  # float32[N]
+    loss: float
+
+
+class TrainerEngine:
+    """The trainer's compute engine; see the module docstring for its contract."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.tp_size = ensure_model_parallel(config.device)
+        dtype = config.dtype or (torch.bfloat16 if config.device == "cuda" else torch.float32)
+        self.model, self.shape = build_model(
+            config.base_model_dir, dtype=dtype, device=config.device, attention_backend=config.attention_backend
+        )
+        self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device)
+        self.pool.attach(self.model)
+        self.optimizer = SlotAdamW()
+        self._pending: set[int] = set()
+
+    # ---- slot lifecycle ----
+
+    def init_slot(
+        self, slot: int, rank: int, seed: int, train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True
+    ) -> None:
+        """Give ``slot`` a fresh adapter (seeded A, zero B) and fresh optimizer state."""
+        config = SlotConfig(rank, seed, train_attn, train_mlp, train_unembed)
+        if not (train_attn or train_mlp or train_unembed):
+            raise ValueError("a slot must train at least one of attn, mlp, unembed")
+        self.pool.init_slot(slot, config)
+        self.optimizer.reset_slot(slot)
+        self._pending.discard(slot)
+
+    def release_slot(self, slot: int) -> None:
+        """Forget everything about ``slot`` (weights, moments, step counter, gradients)."""
+        self.pool.clear_slot(slot)
+        self.optimizer.reset_slot(slot)
+        self._pending.discard(slot)
+
+    # ---- training ----
+
+    def forward_backward(
+        self,
+        datums: list[DatumInput],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None = None,
+        forward_only: bool = False,
+    ) -> list[DatumOutput]:
+        """Log-probabilities and per-datum losses; unless ``forward_only``, accumulate gradients.
+
+        Raises:
+            ValueError: an invalid request (the message names the field); nothing was changed.
+        """
+        self._validate(datums, loss_fn, loss_config)
+        if not datums:
+            return []
+        cfg = resolve_config(loss_fn, loss_config)
+        batch = pack(datums, self.device)
+        grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_mode, self._routed(batch):
+            token_loss = self.model(
+                batch.input_ids,
+                batch.position_ids,
+                None,
+                labels=batch.labels,
+                packed_seq_params=self._packed_params(batch),
+            )  # [1, T]: -log p(target)
+            lp = -token_loss[0].float()  # [T]
+            losses: list[torch.Tensor] = []
+            for j, index in enumerate(batch.order):
+                start, end = batch.bounds[j], batch.bounds[j + 1]
+                inputs = {
+                    name: torch.as_tensor(np.asarray(value), dtype=torch.float32, device=self.device)
+                    for name, value in datums[index].loss_inputs.items()
+                    if name != "target_tokens"
+                }
+                losses.append(LOSS_FNS[loss_fn](lp[start:end], inputs, cfg))
+            if not forward_only:
+                torch.stack(losses).sum().backward()
+                self._pending.update(d.slot for d in datums)
+        outputs: list[DatumOutput | None] = [None] * len(datums)
+        lp_np = lp.detach().cpu().numpy().astype(np.float32)
+        for j, index in enumerate(batch.order):
+            start, end = batch.bounds[j], batch.bounds[j + 1]
+            outputs[index] = DatumOutput(lp_np[start:end].copy(), float(losses[j].detach()))
+        return [o for o in outputs if o is not None]
+
+    def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
+        """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
+        reports: dict[int, StepReport] = {}
+        for slot in sorted(params):
+            self._require_slot(slot)
+            reports[slot] = self.optimizer.step(slot, self.pool.slot_tensors(slot), params[slot])
+            self._pending.discard(slot)
+        return reports
+
+    def discard_grads(self, slot: int) -> None:
+        self._require_slot(slot)
+        zero_grads(self.pool.slot_tensors(slot))
+        self._pending.discard(slot)
+
+    def has_pending_grads(self, slot: int) -> bool:
+        """True after a ``forward_backward`` touched ``slot`` and before its step or discard."""
+        return slot in self._pending
+
+    # ---- state ----
+
+    def get_slot_state(self, slot: int) -> SlotState:
+        self._require_slot(slot)
+        return slot_state.get_slot_state(self.pool, self.optimizer, slot)
+
+    def get_slot_grads(self, slot: int) -> dict[str, torch.Tensor]:
+        """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``."""
+        self._require_slot(slot)
+        return slot_state.get_slot_grads(self.pool, slot)
+
+    def set_slot_state(self, slot: int, state: SlotState, with_optimizer: bool) -> None:
+        slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
+        self._pending.discard(slot)
+
+    def export_peft(self, slot: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The slot's adapter as PEFT tensors plus ``adapter_config.json`` content."""
+        return export_peft(self.get_slot_state(slot), self.shape, self.config.base_model_dir)
+
+    def logits(self, datums: list[DatumInput]) -> list[torch.Tensor]:
+        """Full-vocabulary logits per datum (gathered over TP), each [N, vocab]; no gradients."""
+        self._validate_slots(datums)
+        batch = pack(datums, self.device)
+        with torch.no_grad(), self._routed(batch):
+            local = self.model(
+                batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
+            )[0]  # [T, vocab / tp]
+        full = torch.cat(tp_all_gather(local), dim=-1).cpu()  # [T, vocab]
+        out: list[torch.Tensor | None] = [None] * len(datums)
+        for j, index in enumerate(batch.order):
+            out[index] = full[batch.bounds[j] : batch.bounds[j + 1]]
+        return [o for o in out if o is not None]
+
+    # ---- helpers ----
+
+    @contextlib.contextmanager
+    def _routed(self, batch: PackedBatch) -> Any:
+        self.pool.routing.segments = batch.segments
+        try:
+            yield
+        finally:
+            self.pool.routing.segments = []
+
+    @staticmethod
+    def _packed_params(batch: PackedBatch) -> Any:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=batch.cu_seqlens,
+            cu_seqlens_kv=batch.cu_seqlens,
+            max_seqlen_q=batch.max_len,
+            max_seqlen_kv=batch.max_len,
+        )
+
+    def _require_slot(self, slot: int) -> None:
+        if slot not in self.pool.configs:
+            raise ValueError(f"slot {slot} is not initialised")
+
+    def _validate_slots(self, datums: list[DatumInput]) -> None:
+        vocab = self.shape.vocab_size
+        for i, datum in enumerate(datums):
+            if datum.slot not in self.pool.configs:
+                raise ValueError(f"data[{i}].slot {datum.slot} is not initialised")
+            tokens = np.asarray(datum.tokens)
+            if tokens.ndim != 1 or tokens.size == 0:
+                raise ValueError(f"data[{i}].tokens must be a non-empty 1-D array")
+            if tokens.min() < 0 or tokens.max() >= vocab:
+                raise ValueError(f"data[{i}].tokens has ids outside [0, {vocab})")
+
+    def _validate(self, datums: list[DatumInput], loss_fn: str, loss_config: Mapping[str, float] | None) -> None:
+        error = validate_loss_request(
+            loss_fn,
+            loss_config,
+            [d.num_tokens for d in datums],
+            [{k: int(np.asarray(v).size) for k, v in d.loss_inputs.items()} for d in datums],
+        )
+        if error is not None:
+            raise ValueError(error)
+        self._validate_slots(datums)
+        for i, datum in enumerate(datums):
+            targets = np.asarray(datum.loss_inputs["target_tokens"])
+            if targets.min() < 0 or targets.max() >= self.shape.vocab_size:
+                raise ValueError(f"data[{i}].loss_fn_inputs.target_tokens has ids outside [0, {self.shape.vocab_size})")
+            for name, value in datum.loss_inputs.items():
+                if name != "target_tokens" and not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
+                    raise ValueError(f"data[{i}].loss_fn_inputs.{name} has non-finite values")

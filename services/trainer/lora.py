@@ -1,0 +1,282 @@
+"""A fixed pool of LoRA adapter slots over one frozen, tensor-parallel megatron base model.
+
+Each adapted linear ``y = W x`` (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+``linear_fc2`` of every layer, and ``output_layer``) gains, for a token routed to slot ``s``:
+
+    y = W x + (alpha / rank_s) * B[s, :, :rank_s] @ (A[s, :rank_s, :] @ x)
+
+with ``A: (slots, r_max, in)`` and ``B: (slots, out, r_max)``.  Ranks above a slot's rank are
+masked out by slicing, so those rows stay exactly zero.  ``alpha = LORA_ALPHA = 32`` is chosen
+by the server for every slot (clients pick only the rank), so ``scaling = 32 / rank``.  A slot
+enables the attention modules (``train_attn``: qkv, proj), the MLP modules (``train_mlp``: fc1,
+fc2) and the unembedding (``train_unembed``: output_layer) independently.
+
+Tensor parallelism follows the base layer: for a column-parallel base (qkv, fc1, output) ``A``
+is replicated and ``B`` holds this rank's output rows, and the rank-r activation passes
+``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) so ``A``'s
+gradient is complete and identical on every rank.  For a row-parallel base (proj, fc2) ``A``
+holds this rank's input columns, the rank-r activation passes
+``reduce_from_tensor_model_parallel_region`` (all-reduce forward), and ``B`` is replicated.
+
+Initialisation: ``A`` is drawn from a ``torch.Generator`` seeded with the slot's seed
+(uniform in +-1/sqrt(in_features), the kaiming-uniform(a=sqrt(5)) bound PEFT uses), full size,
+then sharded, so every TP size yields the same adapter.  ``B = 0``: the adapted model starts
+exactly equal to the base model, while the non-zero ``A`` still gives ``B`` a non-zero
+gradient on the first step (were both zero, neither would ever move).
+
+Packed batches: the engine sets ``SlotRouting.segments``, contiguous token ranges of one slot
+each (datums are sorted by slot before packing).  Every adapter computes its update per
+segment with that slot's tensors; the base model runs once for the whole stream.
+
+Invariant: adapters attach to the model by forward hooks and live in ``AdapterPool`` (never in
+the model's own parameters); a slot that is not initialised, and a module its config disables,
+contribute exactly nothing and receive no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.trainer.convert import ModelShape, ShardKind, shard
+from services.trainer.parallel import tp_rank, tp_size
+
+LORA_ALPHA = 32.0
+
+
+@dataclass(frozen=True)
+class SlotConfig:
+    """One slot's adapter configuration."""
+
+    rank: int
+    seed: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    @property
+    def alpha(self) -> float:
+        return LORA_ALPHA
+
+    @property
+    def scaling(self) -> float:
+        return LORA_ALPHA / self.rank
+
+    def trains(self, group: str) -> bool:
+        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[group]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, end)`` of the packed stream all belong to ``slot``."""
+
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Where one adapted linear sits and how its adapter is laid out."""
+
+    path: str  # megatron module path, e.g. "decoder.layers.0.self_attention.linear_qkv"
+    group: str  # "attn" | "mlp" | "unembed"
+    in_features: int  # full (TP=1) sizes
+    out_features: int
+    a_kind: ShardKind  # how lora_A (r, in) is sharded over TP
+    b_kind: ShardKind  # how lora_B (out, r) is sharded over TP
+
+    @property
+    def column_parallel(self) -> bool:
+        return self.a_kind is ShardKind.REPLICATED
+
+
+def adapter_targets(shape: ModelShape) -> list[TargetSpec]:
+    """Every adapted linear of the model, in canonical order (layer by layer, then output)."""
+    rep, col, glu, row = ShardKind.REPLICATED, ShardKind.COLUMN, ShardKind.COLUMN_GLU, ShardKind.ROW
+    h, d = shape.hidden_size, shape.head_dim
+    targets: list[TargetSpec] = []
+    for i in range(shape.num_layers):
+        pre = f"decoder.layers.{i}."
+        targets += [
+            TargetSpec(pre + "self_attention.linear_qkv", "attn", h, (shape.num_heads + 2 * shape.num_groups) * d, rep, col),
+            TargetSpec(pre + "self_attention.linear_proj", "attn", shape.num_heads * d, h, row, rep),
+            TargetSpec(pre + "mlp.linear_fc1", "mlp", h, 2 * shape.ffn_hidden_size, rep, glu),
+            TargetSpec(pre + "mlp.linear_fc2", "mlp", shape.ffn_hidden_size, h, row, rep),
+        ]
+    targets.append(TargetSpec("output_layer", "unembed", h, shape.vocab_size, rep, col))
+    return targets
+
+
+def _local(size: int, kind: ShardKind, dim_is_split: bool) -> int:
+    return size // tp_size() if dim_is_split and kind is not ShardKind.REPLICATED else size
+
+
+class SlotRouting:
+    """Which slot each token of the current forward belongs to (set by the engine)."""
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.configs: dict[int, SlotConfig] = {}
+
+
+class SlotAdapter(nn.Module):
+    """The slot-indexed LoRA tensors of one adapted linear and its forward-hook math."""
+
+    def __init__(self, target: TargetSpec, num_slots: int, max_rank: int, routing: SlotRouting) -> None:
+        super().__init__()
+        self.target = target
+        self.routing = routing
+        self.max_rank = max_rank
+        in_local = _local(target.in_features, target.a_kind, dim_is_split=True)
+        out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, max_rank, in_local))  # (slots, r_max, in)
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank))  # (slots, out, r_max)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        segments = self.routing.segments
+        configs = self.routing.configs
+        active = [configs[s.slot].trains(self.target.group) for s in segments]
+        if not any(active):
+            return None
+        hidden = []
+        for seg, on in zip(segments, active, strict=True):
+            xs = x[seg.start : seg.end]  # [t, 1, in]
+            if not on:
+                hidden.append(xs.new_zeros(*xs.shape[:-1], self.max_rank))  # [t, 1, r_max]
+                continue
+            rank = configs[seg.slot].rank
+            a = self.lora_A[seg.slot, :rank].to(x.dtype)  # [r, in]
+            hidden.append(F.pad(xs @ a.t(), (0, self.max_rank - rank)))  # [t, 1, r_max]
+        h = torch.cat(hidden, dim=0)  # [T, 1, r_max]
+        # One collective per module and forward; every TP rank sees the same segments.
+        if self.target.column_parallel:
+            h = copy_to_tensor_model_parallel_region(h)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h)
+        out = []
+        for seg, on in zip(segments, active, strict=True):
+            if not on:
+                out.append(x.new_zeros(seg.end - seg.start, *x.shape[1:-1], self.lora_B.shape[1]))  # [t, 1, out]
+                continue
+            cfg = configs[seg.slot]
+            b = self.lora_B[seg.slot, :, : cfg.rank].to(x.dtype)  # [out, r]
+            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
+        return torch.cat(out, dim=0)  # [T, 1, out]
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        update = self.delta(args[0])
+        if update is None:
+            return output
+        base, bias = output
+        return base + update.to(base.dtype), bias
+
+
+@dataclass(frozen=True)
+class SlotTensor:
+    """One of a slot's adapter tensors: a view into a slot-indexed parameter."""
+
+    name: str  # e.g. "decoder.layers.0.mlp.linear_fc1.lora_A"
+    param: nn.Parameter
+    index: tuple[Any, ...]  # selects this slot's rows (and rank) inside ``param``
+    kind: ShardKind  # how the full tensor is split over TP ranks
+
+    def value(self) -> torch.Tensor:
+        return self.param.data[self.index]
+
+    def grad(self) -> torch.Tensor | None:
+        return None if self.param.grad is None else self.param.grad[self.index]
+
+
+class AdapterPool(nn.Module):
+    """All slot adapters of one model, their routing, and each slot's configuration."""
+
+    def __init__(self, shape: ModelShape, num_slots: int, max_rank: int, device: str = "cpu") -> None:
+        super().__init__()
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.routing = SlotRouting()
+        self.targets = adapter_targets(shape)
+        self.adapters = nn.ModuleDict(
+            {_key(t.path): SlotAdapter(t, num_slots, max_rank, self.routing) for t in self.targets}
+        ).to(device)
+        self._handles: list[Any] = []
+
+    @property
+    def configs(self) -> dict[int, SlotConfig]:
+        return self.routing.configs
+
+    def adapter(self, path: str) -> SlotAdapter:
+        module = self.adapters[_key(path)]
+        assert isinstance(module, SlotAdapter)
+        return module
+
+    def attach(self, model: nn.Module) -> None:
+        """Register one forward hook per adapted linear of ``model``."""
+        modules = dict(model.named_modules())
+        for target in self.targets:
+            hook: Callable[..., Any] = self.adapter(target.path).hook
+            self._handles.append(modules[target.path].register_forward_hook(hook))
+
+    def init_slot(self, slot: int, config: SlotConfig) -> None:
+        """Fresh adapter for ``slot``: seeded A on enabled modules, every other entry zero."""
+        self._check_slot(slot)
+        if not 1 <= config.rank <= self.max_rank:
+            raise ValueError(f"rank {config.rank} outside [1, {self.max_rank}]")
+        self.clear_slot(slot)
+        gen = torch.Generator(device="cpu").manual_seed(config.seed)
+        with torch.no_grad():
+            for target in self.targets:
+                bound = 1.0 / math.sqrt(target.in_features)
+                full = torch.rand(config.rank, target.in_features, generator=gen) * (2 * bound) - bound  # [r, in]
+                if config.trains(target.group):
+                    a = self.adapter(target.path).lora_A
+                    a[slot, : config.rank] = shard(full, target.a_kind, tp_rank(), tp_size()).to(a.device)
+        self.routing.configs[slot] = config
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero the slot's tensors and gradients and forget its config."""
+        self._check_slot(slot)
+        with torch.no_grad():
+            for module in self.adapters.values():
+                assert isinstance(module, SlotAdapter)
+                for p in (module.lora_A, module.lora_B):
+                    p.data[slot].zero_()
+                    if p.grad is not None:
+                        p.grad[slot].zero_()
+        self.routing.configs.pop(slot, None)
+
+    def slot_tensors(self, slot: int) -> list[SlotTensor]:
+        """The adapter tensors ``slot`` trains (its rank, its enabled modules), canonical order."""
+        config = self.routing.configs[slot]
+        tensors: list[SlotTensor] = []
+        for target in self.targets:
+            if not config.trains(target.group):
+                continue
+            module = self.adapter(target.path)
+            r = config.rank
+            tensors.append(SlotTensor(f"{target.path}.lora_A", module.lora_A, (slot, slice(0, r)), target.a_kind))
+            tensors.append(
+                SlotTensor(f"{target.path}.lora_B", module.lora_B, (slot, slice(None), slice(0, r)), target.b_kind)
+            )
+        return tensors
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+
+
+def _key(path: str) -> str:
+    return path.replace(".", "/")  # ModuleDict keys may not contain "."

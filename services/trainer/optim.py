@@ -1,0 +1,130 @@
+"""Per-slot AdamW over slot-indexed adapter tensors, with TP-aware gradient clipping.
+
+The math is ``torch.optim.AdamW``'s single-tensor path (decoupled weight decay), written out
+so that state lives in tensors shaped like the slot-indexed parameters and is keyed by slot:
+``exp_avg[name][slot]``, ``exp_avg_sq[name][slot]``, ``steps[slot]``.  Per request:
+
+    norm   = sqrt(sum over the slot's tensors of ||g||^2)   (sharded tensors summed over TP,
+                                                             replicated ones counted once)
+    if norm is not finite: zero the slot's grads, report applied=False, stop
+    if clip > 0: g *= min(clip / (norm + 1e-6), 1)          (torch.nn.utils.clip_grad_norm_)
+    step += 1
+    p *= 1 - lr*wd;  m = lerp(m, g, 1-b1);  v = b2*v + (1-b2)*g*g
+    p -= lr/(1-b1^step) * m / (sqrt(v)/sqrt(1-b2^step) + eps)
+
+Invariant: a step touches only the requested slot's parameter rows, moments and counter,
+and always leaves that slot's gradients zero; every TP rank takes the same decision because
+the norm is all-reduced before it is tested.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.convert import ShardKind
+from services.trainer.lora import SlotTensor
+from services.trainer.parallel import tp_all_reduce_sum
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One ``optim_step`` request's hyper-parameters (Tinker's ``AdamParams``)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What ``optim_step`` did for one slot."""
+
+    applied: bool
+    grad_norm: float  # before clipping
+    step: int  # the slot's step count after this call
+    reason: str | None = None  # why the step was skipped
+
+
+class SlotAdamW:
+    """AdamW moments and step counters for every slot, keyed by tensor name then slot."""
+
+    def __init__(self) -> None:
+        self.exp_avg: dict[str, torch.Tensor] = {}
+        self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        self.steps: dict[int, int] = {}
+
+    def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
+        if tensor.name not in self.exp_avg:
+            self.exp_avg[tensor.name] = torch.zeros_like(tensor.param.data)
+            self.exp_avg_sq[tensor.name] = torch.zeros_like(tensor.param.data)
+        return self.exp_avg[tensor.name][tensor.index], self.exp_avg_sq[tensor.name][tensor.index]
+
+    def reset_slot(self, slot: int) -> None:
+        for table in (self.exp_avg, self.exp_avg_sq):
+            for full in table.values():
+                full[slot].zero_()
+        self.steps.pop(slot, None)
+
+    def step(self, slot: int, tensors: list[SlotTensor], hp: AdamParams) -> StepReport:
+        """Apply one AdamW step to ``slot`` (``tensors`` = its adapter tensors), then zero grads."""
+        grads = [t.grad() for t in tensors]
+        norm = grad_norm(tensors)
+        if not math.isfinite(norm):
+            zero_grads(tensors)
+            return StepReport(False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})")
+        if hp.grad_clip_norm > 0:
+            coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
+            for g in grads:
+                if g is not None:
+                    g.mul_(coef)
+        step = self.steps.get(slot, 0) + 1
+        self.steps[slot] = step
+        bias1 = 1 - hp.beta1**step
+        bias2_sqrt = (1 - hp.beta2**step) ** 0.5
+        step_size = hp.learning_rate / bias1
+        with torch.no_grad():
+            for tensor, g in zip(tensors, grads, strict=True):
+                p = tensor.value()
+                m, v = self.moments(tensor)
+                grad = torch.zeros_like(p) if g is None else g
+                if hp.weight_decay != 0:
+                    p.mul_(1 - hp.learning_rate * hp.weight_decay)
+                m.lerp_(grad, 1 - hp.beta1)
+                v.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+                denom = (v.sqrt() / bias2_sqrt).add_(hp.eps)
+                p.addcdiv_(m, denom, value=-step_size)
+        zero_grads(tensors)
+        return StepReport(True, norm, step)
+
+
+def grad_norm(tensors: list[SlotTensor]) -> float:
+    """L2 norm of the slot's full (TP-gathered) gradient; identical on every TP rank."""
+    device = tensors[0].param.device if tensors else torch.device("cpu")
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in tensors:
+        g = tensor.grad()
+        if g is None:
+            continue
+        sq = torch.linalg.vector_norm(g.double(), 2) ** 2
+        if tensor.kind is ShardKind.REPLICATED:
+            replicated += sq
+        else:
+            sharded += sq
+    tp_all_reduce_sum(sharded)
+    return float(torch.sqrt(sharded + replicated))
+
+
+def zero_grads(tensors: list[SlotTensor]) -> None:
+    for tensor in tensors:
+        g = tensor.grad()
+        if g is not None:
+            g.zero_()
+

@@ -1,0 +1,86 @@
+"""Export and import one slot's complete training state, independent of the TP size.
+
+``SlotState`` holds the slot's config, step counter, adapter tensors and AdamW moments.  Tensors
+are in the *full* megatron layout (TP=1: ``linear_qkv`` rows interleaved per GQA group,
+``linear_fc1`` as ``[gate; up]``), cut to the slot's rank, on CPU, keyed like
+``decoder.layers.0.self_attention.linear_qkv.lora_A``.
+
+Invariant: ``set_slot_state(get_slot_state(s), with_optimizer=True)`` reproduces the slot
+bit for bit (values are copied, never recomputed), so training continues exactly as if it had
+never stopped; with ``with_optimizer=False`` the moments and step counter start from zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.trainer.convert import shard, unshard
+from services.trainer.lora import AdapterPool, SlotConfig
+from services.trainer.optim import SlotAdamW
+from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
+
+
+@dataclass
+class SlotState:
+    """Everything needed to resume one slot (see module docstring for the layout)."""
+
+    config: SlotConfig
+    step: int
+    adapter: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
+    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def get_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int) -> SlotState:
+    """Gather ``slot``'s state over TP (a collective: every rank must call it)."""
+    if slot not in pool.configs:
+        raise KeyError(f"slot {slot} is not initialised")
+    adapter: dict[str, torch.Tensor] = {}
+    exp_avg: dict[str, torch.Tensor] = {}
+    exp_avg_sq: dict[str, torch.Tensor] = {}
+    for tensor in pool.slot_tensors(slot):
+        m, v = optimizer.moments(tensor)
+        for table, local in ((adapter, tensor.value()), (exp_avg, m), (exp_avg_sq, v)):
+            table[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
+    return SlotState(pool.configs[slot], optimizer.steps.get(slot, 0), adapter, exp_avg, exp_avg_sq)
+
+
+def set_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int, state: SlotState, with_optimizer: bool) -> None:
+    """Load ``state`` into ``slot`` (replacing whatever it held); gradients start at zero."""
+    pool.clear_slot(slot)
+    optimizer.reset_slot(slot)
+    pool.configs[slot] = state.config
+    tensors = pool.slot_tensors(slot)
+    expected = {t.name for t in tensors}
+    if set(state.adapter) != expected:
+        pool.clear_slot(slot)
+        missing, extra = sorted(expected - set(state.adapter)), sorted(set(state.adapter) - expected)
+        raise ValueError(f"slot state does not fit its config: missing {missing[:3]}, unexpected {extra[:3]}")
+    rank, size = tp_rank(), tp_size()
+    with torch.no_grad():
+        for tensor in tensors:
+            target = tensor.value()
+            piece = shard(state.adapter[tensor.name], tensor.kind, rank, size)
+            if piece.shape != target.shape:
+                pool.clear_slot(slot)
+                raise ValueError(f"{tensor.name}: shape {tuple(piece.shape)} != expected {tuple(target.shape)}")
+            target.copy_(piece)
+            if with_optimizer:
+                m, v = optimizer.moments(tensor)
+                m.copy_(shard(state.exp_avg[tensor.name], tensor.kind, rank, size))
+                v.copy_(shard(state.exp_avg_sq[tensor.name], tensor.kind, rank, size))
+    if with_optimizer and state.step:
+        optimizer.steps[slot] = state.step
+
+
+def get_slot_grads(pool: AdapterPool, slot: int) -> dict[str, torch.Tensor]:
+    """The slot's accumulated gradients in the same full layout as ``SlotState.adapter``
+    (zeros where nothing accumulated yet); a collective like ``get_slot_state``."""
+    grads: dict[str, torch.Tensor] = {}
+    for tensor in pool.slot_tensors(slot):
+        g = tensor.grad()
+        local = torch.zeros_like(tensor.value()) if g is None else g
+        grads[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
+    return grads
