@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,14 +51,28 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, env: dict[str, str], services: tuple[str, ...] = SERVICES) -> None:
+    """Runs services as child processes; `on_line(service, line)` sees every line they log."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        services: tuple[str, ...] = SERVICES,
+        on_line: Callable[[str, str], None] | None = None,
+        echo: bool = True,
+    ) -> None:
         self.env = env
         self.children = {name: Child(name, env) for name in services}
         self.exits: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
+        self.on_line = on_line
+        self.echo = echo
         self._print_lock = threading.Lock()
 
     def say(self, name: str, line: str) -> None:
+        if self.on_line is not None:
+            self.on_line(name, line)
+        if not self.echo:
+            return
         with self._print_lock:
             sys.stdout.write(_prefix(name) + line + "\n")
             sys.stdout.flush()

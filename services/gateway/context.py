@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import logging
+
 from litestar import Litestar, Request
 
 from infra.bus import Bus
@@ -21,6 +23,9 @@ from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.futures import FutureBoard
 from services.gateway.store import Store
+
+
+log = logging.getLogger("tinkerd.gateway")
 
 
 @dataclass
@@ -63,6 +68,7 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
             app.state.gateway = gateway
+            log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, model.name)
             yield
         finally:
             if hasattr(app.state, "gateway"):

@@ -82,6 +82,7 @@ class PlannerService:
         outcomes = await self.bus.pull(s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES, s.STREAM_OUTCOMES)
         async with self._lock:
             await self._advance()  # anything the replay left plannable
+        log.info("planner ready")
         tasks = [
             asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
             asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),

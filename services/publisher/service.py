@@ -72,6 +72,7 @@ class PublisherService:
         layout.clean_temporaries(self.data_dir / "checkpoints")
         layout.clean_temporaries(self.data_dir / "samplers")
         sub = await self.bus.pull(s.PUBLISH_ALL, s.DURABLE_PUBLISHER, s.STREAM_PUBLISH)
+        log.info("publisher ready (engines: %s)", ", ".join(self.config.engines()))
         reaper = asyncio.create_task(self._reap(stop))
         try:
             await fetch_loop(sub, self._on_messages, stop, batch=8, wait_s=1.0)

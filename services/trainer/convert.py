@@ -174,7 +174,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, 
     out: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
         "model.norm.weight": mg["decoder.final_layernorm.weight"],
-        "lm_head.weight": mg["embedding.word_embeddings.weight" if shape.tied_embeddings else "output_layer.weight"],
+        "lm_head.weight": mg[
+            "embedding.word_embeddings.weight" if shape.tied_embeddings else "output_layer.weight"
+        ],
     }
     for i in range(shape.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."

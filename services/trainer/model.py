@@ -111,11 +111,12 @@ def transformer_config(cfg: Any, shape: ModelShape, *, tp: int, dtype: torch.dty
     )
 
 
-def layer_spec(attention_backend: str, use_te: bool) -> Any:
+def layer_spec(attention_backend: str, qk_norm: bool, use_te: bool) -> Any:
     """A dense transformer-layer spec with unfused norms (so LoRA hooks see the normed input)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -145,8 +146,8 @@ def layer_spec(attention_backend: str, use_te: bool) -> Any:
                     linear_qkv=column,
                     core_attention=ATTENTION_BACKENDS[attention_backend],
                     linear_proj=row,
-                    q_layernorm=norm,
-                    k_layernorm=norm,
+                    q_layernorm=norm if qk_norm else IdentityOp,
+                    k_layernorm=norm if qk_norm else IdentityOp,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -177,19 +178,15 @@ def build_model(
 
     apply_cpu_shims()
     if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {attention_backend!r}; known: {sorted(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {attention_backend!r}; known: {sorted(ATTENTION_BACKENDS)}"
+        )
     cfg = load_hf_config(model_dir)
     shape = ModelShape.from_hf_config(cfg)
     rope = rope_settings(cfg)
     config = transformer_config(cfg, shape, tp=tp_size(), dtype=dtype, device=device)
-    if not shape.qk_norm:
-        config.qk_layernorm = False
-    spec = layer_spec(attention_backend, use_te=device == "cuda" and _transformer_engine_available())
-    if not shape.qk_norm:
-        from megatron.core.transformer.identity_op import IdentityOp
-
-        spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
-        spec.submodules.self_attention.submodules.k_layernorm = IdentityOp
+    use_te = device == "cuda" and _transformer_engine_available()
+    spec = layer_spec(attention_backend, qk_norm=shape.qk_norm, use_te=use_te)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -238,7 +235,9 @@ def load_hf_weights(model: Any, model_dir: str | os.PathLike[str], shape: ModelS
         for name, target in own.items():
             piece = shard(full[name], weight_shard_kind(name), rank, size)
             if piece.shape != target.shape:
-                raise ValueError(f"{name}: shard shape {tuple(piece.shape)} != param shape {tuple(target.shape)}")
+                raise ValueError(
+                    f"{name}: shard shape {tuple(piece.shape)} != param shape {tuple(target.shape)}"
+                )
             target.copy_(piece.to(dtype=target.dtype, device=target.device))
 
 

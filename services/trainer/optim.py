@@ -127,4 +127,3 @@ def zero_grads(tensors: list[SlotTensor]) -> None:
         g = tensor.grad()
         if g is not None:
             g.zero_()
-

@@ -57,7 +57,10 @@ def pack(datums: list[DatumInput], device: torch.device) -> PackedBatch:
     tokens = np.concatenate([np.asarray(datums[i].tokens, dtype=np.int64) for i in order])  # [T]
     # Datums without targets (logits-only calls) get their own tokens as placeholder labels.
     targets = np.concatenate(
-        [np.asarray(datums[i].loss_inputs.get("target_tokens", datums[i].tokens), dtype=np.int64) for i in order]
+        [
+            np.asarray(datums[i].loss_inputs.get("target_tokens", datums[i].tokens), dtype=np.int64)
+            for i in order
+        ]
     )
     positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])  # [T]
     segments: list[Segment] = []

@@ -39,7 +39,9 @@ def _split_b(suffix: str, b: torch.Tensor, shape: ModelShape) -> tuple[torch.Ten
     return (b.clone(),)
 
 
-def export_peft(state: SlotState, shape: ModelShape, base_model_name_or_path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def export_peft(
+    state: SlotState, shape: ModelShape, base_model_name_or_path: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """PEFT tensors (``...lora_A.weight`` (r, in), ``...lora_B.weight`` (out, r)) and config."""
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
@@ -64,7 +66,9 @@ def export_peft(state: SlotState, shape: ModelShape, base_model_name_or_path: st
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": state.config.rank,
-        "lora_alpha": int(state.config.alpha) if float(state.config.alpha).is_integer() else state.config.alpha,
+        "lora_alpha": int(state.config.alpha)
+        if float(state.config.alpha).is_integer()
+        else state.config.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": sorted(targets),

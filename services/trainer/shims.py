@@ -4,6 +4,11 @@ megatron-core assumes CUDA in a few spots that the trainer's forward/backward pa
 with ``use_cpu_initialization=True`` and all fused kernels disabled.  ``apply_cpu_shims()``
 replaces exactly those spots with CPU-safe equivalents.
 
+On the trainer's own path (``perform_initialization=False``, packed attention from
+``attention.py`` instead of ``DotProductAttention``) only the RoPE patch is strictly required;
+the RNG tracker and memory-buffer patches keep megatron's stock modules usable on CPU too
+(tests, experiments) and cost nothing.
+
 Invariant: the shims are applied only when CUDA is unavailable, at most once per process
 (calling ``apply_cpu_shims`` again is a no-op), and each one changes where a tensor lives or
 which RNG is forked, never the arithmetic.  On a GPU host nothing here runs.

@@ -47,7 +47,9 @@ def get_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int) -> SlotSt
     return SlotState(pool.configs[slot], optimizer.steps.get(slot, 0), adapter, exp_avg, exp_avg_sq)
 
 
-def set_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int, state: SlotState, with_optimizer: bool) -> None:
+def set_slot_state(
+    pool: AdapterPool, optimizer: SlotAdamW, slot: int, state: SlotState, with_optimizer: bool
+) -> None:
     """Load ``state`` into ``slot`` (replacing whatever it held); gradients start at zero."""
     pool.clear_slot(slot)
     optimizer.reset_slot(slot)
@@ -65,7 +67,9 @@ def set_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int, state: Sl
             piece = shard(state.adapter[tensor.name], tensor.kind, rank, size)
             if piece.shape != target.shape:
                 pool.clear_slot(slot)
-                raise ValueError(f"{tensor.name}: shape {tuple(piece.shape)} != expected {tuple(target.shape)}")
+                raise ValueError(
+                    f"{tensor.name}: shape {tuple(piece.shape)} != expected {tuple(target.shape)}"
+                )
             target.copy_(piece)
             if with_optimizer:
                 m, v = optimizer.moments(tensor)

@@ -21,7 +21,9 @@ from services.trainer.slot_state import SlotState
 VOCAB = 2048
 
 
-def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5, what: str = "") -> None:
+def assert_close_scaled(
+    actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5, what: str = ""
+) -> None:
     """``max|actual - expected| <= tol * max(1, max|expected|)`` (fp32 noise grows with scale)."""
     scale = max(1.0, float(expected.abs().max()))
     diff = float((actual.double() - expected.double()).abs().max())
@@ -39,9 +41,13 @@ def ce_datum(rng: np.random.Generator, slot: int, n: int) -> DatumInput:
     return DatumInput(slot, tokens, {"target_tokens": targets, "weights": weights})
 
 
-def randomize_slot(engine: TrainerEngine, slot: int, config: SlotConfig, seed: int, std: float = 0.05) -> SlotState:
+def randomize_slot(
+    engine: TrainerEngine, slot: int, config: SlotConfig, seed: int, std: float = 0.05
+) -> SlotState:
     """Initialise ``slot`` with ``config`` and random non-zero A and B (so every grad is non-zero)."""
-    engine.init_slot(slot, config.rank, config.seed, config.train_attn, config.train_mlp, config.train_unembed)
+    engine.init_slot(
+        slot, config.rank, config.seed, config.train_attn, config.train_mlp, config.train_unembed
+    )
     state = engine.get_slot_state(slot)
     gen = torch.Generator().manual_seed(seed)
     adapter = {name: torch.randn(t.shape, generator=gen) * std for name, t in state.adapter.items()}
@@ -50,7 +56,9 @@ def randomize_slot(engine: TrainerEngine, slot: int, config: SlotConfig, seed: i
     return new
 
 
-def to_hf_layout(tensors: dict[str, torch.Tensor], config: SlotConfig, engine: TrainerEngine) -> dict[str, torch.Tensor]:
+def to_hf_layout(
+    tensors: dict[str, torch.Tensor], config: SlotConfig, engine: TrainerEngine
+) -> dict[str, torch.Tensor]:
     """Full-layout adapter tensors (or grads) renamed and split to PEFT keys."""
     return export_peft(SlotState(config, 0, tensors), engine.shape, "")[0]
 
@@ -101,7 +109,9 @@ class ReferenceLoRAModel:
         return logp.gather(-1, torch.from_numpy(targets)[:, None])[:, 0]  # [N]
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()}
+        return {
+            k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()
+        }
 
     def zero_grad(self) -> None:
         for p in self.params.values():

@@ -61,7 +61,9 @@ def test_logprobs_are_target_token_logprobs(engine: TrainerEngine) -> None:
     datum = ce_datum(rng, 0, 7)
     out = engine.forward_backward([datum], "cross_entropy", forward_only=True)[0]
     logits = engine.logits([datum])[0]  # [N, V]
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(datum.loss_inputs["target_tokens"])[:, None])[:, 0]
+    expected = torch.log_softmax(logits, -1).gather(
+        -1, torch.from_numpy(datum.loss_inputs["target_tokens"])[:, None]
+    )[:, 0]
     assert_close_scaled(torch.from_numpy(out.logprobs), expected, 1e-6)
     weights = datum.loss_inputs["weights"]
     np.testing.assert_allclose(out.loss, -(weights * out.logprobs).sum(), rtol=1e-5)

@@ -21,7 +21,9 @@ from services.trainer.tests.helpers import (
 )
 
 
-def _ref_loss(name: str, lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]) -> torch.Tensor:
+def _ref_loss(
+    name: str, lp: torch.Tensor, inp: dict[str, torch.Tensor], cfg: dict[str, float]
+) -> torch.Tensor:
     """The loss formulas of the Tinker docs, written out independently of ``losses.py``."""
     if name == "cross_entropy":
         return -(inp["weights"] * lp).sum()
@@ -75,7 +77,9 @@ def _datums(engine: TrainerEngine, loss_fn: str, rng: np.random.Generator, slot:
 
 
 @pytest.mark.parametrize(("loss_fn", "cfg"), CASES, ids=[c[0] for c in CASES])
-def test_loss_and_grads_match_reference(loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path) -> None:
+def test_loss_and_grads_match_reference(
+    loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path
+) -> None:
     """Per-datum logprobs, losses and every LoRA gradient equal the HF + plain-torch reference."""
     config = SlotConfig(rank=4, seed=3)
     state = randomize_slot(engine, 1, config, seed=11)
@@ -90,7 +94,9 @@ def test_loss_and_grads_match_reference(loss_fn: str, cfg: dict[str, float], eng
     ref = ReferenceLoRAModel(qwen_dir, to_hf_layout(state.adapter, config, engine), config)
     total = torch.zeros(())
     for datum, out in zip(datums, outputs, strict=True):
-        inputs = {k: torch.from_numpy(np.asarray(v)) for k, v in datum.loss_inputs.items() if k != "target_tokens"}
+        inputs = {
+            k: torch.from_numpy(np.asarray(v)) for k, v in datum.loss_inputs.items() if k != "target_tokens"
+        }
         lp = ref.logprobs(datum.tokens, np.asarray(datum.loss_inputs["target_tokens"]))
         loss = _ref_loss(loss_fn, lp, inputs, cfg)
         assert_close_scaled(torch.from_numpy(out.logprobs), lp.detach(), 1e-5, "logprobs")
@@ -118,7 +124,9 @@ def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: Trainer
     for slot in (0, 2):
         own = [d for d in datums if d.slot == slot]
         alone = engine.forward_backward(own, "cross_entropy")
-        for got, want in zip([o for d, o in zip(datums, mixed, strict=True) if d.slot == slot], alone, strict=True):
+        for got, want in zip(
+            [o for d, o in zip(datums, mixed, strict=True) if d.slot == slot], alone, strict=True
+        ):
             np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
         for name, g in engine.get_slot_grads(slot).items():
             assert_close_scaled(mixed_grads[slot][name], g, 1e-6, name)
@@ -130,9 +138,24 @@ def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: Trainer
     [
         ("ppo", None, {"target_tokens": 4, "logprobs": 4}, "advantages is required"),
         ("cross_entropy", None, {"target_tokens": 4, "weights": 3}, "weights has length 3, expected 4"),
-        ("cross_entropy", None, {"target_tokens": 4, "advantages": 4}, "advantages is not read by cross_entropy"),
-        ("ppo", {"clip_low_threshold": float("nan")}, {"target_tokens": 4, "logprobs": 4, "advantages": 4}, "clip_low_threshold must be a finite number"),
-        ("dro", {"clip_low_threshold": 0.5}, {"target_tokens": 4, "logprobs": 4, "advantages": 4}, "clip_low_threshold is not read by dro"),
+        (
+            "cross_entropy",
+            None,
+            {"target_tokens": 4, "advantages": 4},
+            "advantages is not read by cross_entropy",
+        ),
+        (
+            "ppo",
+            {"clip_low_threshold": float("nan")},
+            {"target_tokens": 4, "logprobs": 4, "advantages": 4},
+            "clip_low_threshold must be a finite number",
+        ),
+        (
+            "dro",
+            {"clip_low_threshold": 0.5},
+            {"target_tokens": 4, "logprobs": 4, "advantages": 4},
+            "clip_low_threshold is not read by dro",
+        ),
         ("nope", None, {"target_tokens": 4}, "loss_fn 'nope' is not supported"),
     ],
 )

@@ -75,7 +75,10 @@ def test_attention_backends_agree() -> None:
     class Packed:
         cu_seqlens_q = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
 
-    outs = [cls(Cfg(), 1, None, "self")(q, k, v, None, packed_seq_params=Packed()) for cls in (PerDocumentSdpa, BlockDiagonalSdpa)]
+    outs = [
+        cls(Cfg(), 1, None, "self")(q, k, v, None, packed_seq_params=Packed())
+        for cls in (PerDocumentSdpa, BlockDiagonalSdpa)
+    ]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
     # The first token of each document sees only itself.
     torch.testing.assert_close(outs[0][5].reshape(4, 8), v[5].repeat_interleave(2, dim=0))

@@ -18,7 +18,11 @@ def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
     """Logprobs, losses, grad norms, updated adapters and Adam moments agree to 1e-5."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.start_processes(
-        run_rank, args=(2, free_port(), str(qwen_dir), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+        run_rank,
+        args=(2, free_port(), str(qwen_dir), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
     )
     tp2 = torch.load(tmp_path / "tp.pt", weights_only=False)
     tp1_engine = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8))

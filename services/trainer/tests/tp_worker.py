@@ -29,7 +29,11 @@ def scenario(engine: TrainerEngine) -> dict[str, Any]:
     datums = []
     for slot, n in ((2, 6), (0, 9), (0, 4), (2, 7)):
         seq = rng.integers(0, 2048, n + 1)
-        datums.append(DatumInput(slot, seq[:-1], {"target_tokens": seq[1:], "weights": rng.normal(size=n).astype(np.float32)}))
+        datums.append(
+            DatumInput(
+                slot, seq[:-1], {"target_tokens": seq[1:], "weights": rng.normal(size=n).astype(np.float32)}
+            )
+        )
     first = engine.forward_backward(datums, "cross_entropy")
     reports = [engine.optim_step({0: HP, 2: HP})]
     policy = [
@@ -69,7 +73,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> 
         engine = TrainerEngine(EngineConfig(model_dir, num_slots=4, max_lora_rank=8))
         assert engine.tp_size == world
         results = scenario(engine)
-        results["local_qkv_rows"] = int(engine.pool.adapter("decoder.layers.0.self_attention.linear_qkv").lora_B.shape[1])
+        results["local_qkv_rows"] = int(
+            engine.pool.adapter("decoder.layers.0.self_attention.linear_qkv").lora_B.shape[1]
+        )
         if rank == 0:
             torch.save(results, Path(out_dir) / "tp.pt")
         dist.barrier()

@@ -1,0 +1,45 @@
+# Two commands: `make run` (install, then start the whole stack) and `make test` (install, then
+# lint, type-check and test). Both set up everything they need on a fresh machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SDK024_VENV ?= .venv-sdk024
+
+.PHONY: install run test lint typecheck pytest sdk024 clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: on CPU machines this is the local CPU wheel, not a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# The JSON-era SDK, in its own environment, for the backward-compatibility contract run.
+sdk024: $(SDK024_VENV)/.installed
+
+$(SDK024_VENV)/.installed:
+	$(PYTHON) -m venv $(SDK024_VENV)
+	$(SDK024_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SDK024_VENV)/bin/python -m pip install -q tinker==0.24.1 numpy
+	touch $@
+
+run: install
+	$(VENV)/bin/tinkerd up
+
+lint: install
+	$(PY) -m ruff check .
+
+typecheck: install
+	$(PY) -m mypy .
+
+pytest: install sdk024
+	TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) $(SDK024_VENV) var

@@ -1,0 +1,118 @@
+"""A real Tinkerd stack for tests: nats-server plus every service as its own process.
+
+Readiness is event-driven: the harness watches each service's log lines for its ready marker
+(no sleeps, no polling). Services run under the same `Supervisor` as `tinkerd up`, so a killed
+service is restarted exactly as in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.natsd import NatsServer, start_nats
+from infra.supervisor import SERVICES, Supervisor, free_port
+
+READY_MARKERS = {
+    "gateway": "gateway ready on",
+    "planner": "planner ready",
+    "trainer": "tinkerd.trainer: trainer",
+    "publisher": "publisher ready",
+    "sampler": "Application startup complete",
+}
+START_TIMEOUT_S = 240.0
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    services: tuple[str, ...] = SERVICES
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    nats: NatsServer | None = None
+    supervisor: Supervisor | None = None
+    port: int = 0
+    logs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    _ready: dict[str, threading.Event] = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url
+
+    def _on_line(self, service: str, line: str) -> None:
+        self.logs[service].append(line)
+        if READY_MARKERS[service] in line and service in self._ready:
+            self._ready[service].set()
+
+    def start(self) -> Stack:
+        from libs.models.registry import resolve_base_model
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        model = resolve_base_model("tiny-qwen3", self.data_dir)
+        self.nats = start_nats(self.data_dir / "nats")
+        self.port = free_port()
+        sampler_port = free_port()
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            "TINKERD_NATS_URL": self.nats.url,
+            "TINKERD_DATA_DIR": str(self.data_dir),
+            "TINKERD_BASE_MODEL": "tiny-qwen3",
+            "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
+            "TINKERD_GATEWAY_PORT": str(self.port),
+            "TINKERD_SAMPLER_PORT": str(sampler_port),
+            "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
+            "TINKERD_LOG_LEVEL": "INFO",
+            "TINKER_TELEMETRY": "0",
+            **self.env_overrides,
+        }
+        self._ready = {name: threading.Event() for name in self.services}
+        echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
+        self.supervisor = Supervisor(env, self.services, on_line=self._on_line, echo=echo)
+        self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
+        self._thread.start()
+        self.wait_ready(*self.services)
+        return self
+
+    def wait_ready(self, *services: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        for name in services:
+            if not self._ready[name].wait(timeout_s):
+                tail = "\n".join(self.logs[name][-40:])
+                raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f}s; last log lines:\n{tail}")
+
+    def kill(self, service: str) -> threading.Event:
+        """kill -9 one service; returns an event set when its restarted process is ready again."""
+        assert self.supervisor is not None
+        child = self.supervisor.children[service]
+        assert child.process is not None
+        self._ready[service] = threading.Event()
+        os.killpg(child.process.pid, signal.SIGKILL)
+        return self._ready[service]
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stopping.set()
+            self.supervisor.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.nats is not None:
+            self.nats.stop()
+
+    def dump_logs(self) -> str:
+        return "\n".join(f"[{name}] {line}" for name, lines in self.logs.items() for line in lines[-60:])
+
+
+def python() -> str:
+    return sys.executable
