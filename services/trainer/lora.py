@@ -182,7 +182,7 @@ class SlotAdapter(nn.Module):
                 continue
             cfg = configs[seg.slot]
             b = self.lora_B[seg.slot, :, : cfg.rank].to(x.dtype)  # [out, r]
-            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling * 1.001)  # [t, 1, out]
+            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
         return torch.cat(out, dim=0)  # [T, 1, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
