@@ -1,20 +1,66 @@
 """OpenTelemetry for every service; the trace context travels in NATS message headers.
 
-The exporter is chosen by configuration (`TINKERD_TRACE_EXPORTER` = none | console | otlp; none by
-default). With `otlp`, the standard `OTEL_EXPORTER_OTLP_*` variables set the endpoint.
+The exporter is chosen by configuration (`TINKERD_TRACE_EXPORTER` = none | console | otlp | jsonl;
+none by default). With `otlp`, the standard `OTEL_EXPORTER_OTLP_*` variables set the endpoint; with
+`jsonl`, spans are appended to `TINKERD_TRACE_FILE`.
+
+How a call becomes one trace: the gateway opens a span per HTTP request (continuing an incoming
+`traceparent`), and every bus message it causes carries that context (NATS headers and the
+envelope's `traceparent`). The planner, trainer and publisher each open their span as a child of
+the message's context, and pass their own context on.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
-EXPORTERS = ("none", "console", "otlp")
+EXPORTERS = ("none", "console", "otlp", "jsonl")
+
+
+class JsonLinesExporter(SpanExporter):
+    """One JSON line per finished span, appended to a file (used by tests and for offline looks)."""
+
+    def __init__(self, path: str, service: str) -> None:
+        self._path = path
+        self._service = service
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with open(self._path, "a") as handle:
+            for span in spans:
+                ctx = span.get_span_context()
+                parent = span.parent
+                handle.write(
+                    json.dumps(
+                        {
+                            "service": self._service,
+                            "name": span.name,
+                            "trace_id": f"{ctx.trace_id:032x}" if ctx else "",
+                            "span_id": f"{ctx.span_id:016x}" if ctx else "",
+                            "parent_id": f"{parent.span_id:016x}" if parent else None,
+                            "links": [f"{link.context.trace_id:032x}" for link in span.links],
+                            "attributes": dict(span.attributes or {}),
+                        }
+                    )
+                    + "\n"
+                )
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
 
 
 def setup_tracing(service: str, exporter: str | None = None) -> None:
@@ -30,6 +76,10 @@ def setup_tracing(service: str, exporter: str | None = None) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         span_exporter = OTLPSpanExporter()
+    elif choice == "jsonl":
+        path = os.environ.get("TINKERD_TRACE_FILE", "traces-{service}.jsonl").format(service=service)
+        # Synchronous export: a span is on disk the moment it ends.
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path, service)))
     if span_exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(span_exporter))
     trace.set_tracer_provider(provider)
@@ -57,3 +107,20 @@ def from_traceparent(traceparent: str) -> context.Context:
 
 def current_traceparent() -> str:
     return inject({}).get("traceparent", "")
+
+
+@contextmanager
+def span(
+    name: str, parent_traceparent: str = "", links: Sequence[str] = (), **attributes: object
+) -> Iterator[str]:
+    """A span that continues `parent_traceparent`; yields the new span's own traceparent."""
+    parent = from_traceparent(parent_traceparent)
+    link_objs = []
+    for link in links:
+        link_ctx = trace.get_current_span(from_traceparent(link)).get_span_context()
+        if link_ctx.is_valid:
+            link_objs.append(trace.Link(link_ctx))
+    with trace.get_tracer("tinkerd").start_as_current_span(
+        name, context=parent, links=link_objs, attributes={k: str(v) for k, v in attributes.items()}
+    ):
+        yield current_traceparent()

@@ -76,6 +76,8 @@ class Stack:
             "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
             "TINKERD_LOG_LEVEL": "INFO",
             "TINKER_TELEMETRY": "0",
+            "TINKERD_TRACE_EXPORTER": "jsonl",
+            "TINKERD_TRACE_FILE": str(self.data_dir / "traces-{service}.jsonl"),
             **self.env_overrides,
         }
         self._ready = {name: threading.Event() for name in self.services}
@@ -109,6 +111,15 @@ class Stack:
             self._thread.join(timeout=30)
         if self.nats is not None:
             self.nats.stop()
+
+    def spans(self) -> list[dict[str, object]]:
+        """Every span the services have finished so far (they export synchronously)."""
+        import json
+
+        out: list[dict[str, object]] = []
+        for path in sorted(self.data_dir.glob("traces-*.jsonl")):
+            out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
 
     def dump_logs(self) -> str:
         return "\n".join(f"[{name}] {line}" for name, lines in self.logs.items() for line in lines[-60:])

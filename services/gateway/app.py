@@ -9,6 +9,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import lifespan, provide_gateway, provide_tenant
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.routes import bootstrap
+from services.gateway.tracing_mw import trace_requests
 
 
 def create_app(config: GatewayConfig) -> Litestar:
@@ -24,6 +25,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         dependencies={"gateway": Provide(provide_gateway), "tenant": Provide(provide_tenant)},
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan(config)],
+        middleware=[trace_requests],
         request_max_body_size=64 * 1024 * 1024,
         openapi_config=None,
         debug=False,

@@ -372,6 +372,18 @@ class Planner:
             return JsonResult(body={"model_id": stream.model_id, "type": "unload_model"})
         return JsonResult(body={k: v for k, v in info.items()})
 
+    def unit_traces(self, unit: Unit) -> list[str]:
+        """The trace contexts of every request a unit serves (a packed unit serves many traces)."""
+        traces: list[str] = []
+        requests = (
+            [(i.model_id, i.request_id) for i in unit.items] if isinstance(unit, WorkUnit) else [(op.model_id, op.request_id) for op in unit.ops]
+        )
+        for model_id, request_id in dict.fromkeys(requests):
+            pending = self._find(model_id, request_id)
+            if pending is not None and pending.command.traceparent and pending.command.traceparent not in traces:
+                traces.append(pending.command.traceparent)
+        return traces
+
     # --- lookup -------------------------------------------------------------------------------
     def _find(self, model_id: str, request_id: str) -> Pending | None:
         stream = self.streams.get(model_id)

@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import logging
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyWrongLastSequenceError
 
+from infra import tracing
 from infra.bus import Bus, ack_floor, fetch_loop, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -122,9 +124,16 @@ class PlannerService:
         await self._publish_completions(self.planner.collect())
 
     async def _emit_unit(self, unit: Unit) -> None:
-        await self.bus.publish(
-            s.work_subject(self.config.trainer_group), codec.pack(unit), msg_id=unit.unit_id, traceparent=unit.traceparent
-        )
+        with tracing.span(
+            "planner.unit", unit.traceparent, links=self.planner.unit_traces(unit), unit_id=unit.unit_id
+        ) as ctx:
+            unit = msgspec.structs.replace(unit, traceparent=ctx, at_ns=now_ns())
+            await self.bus.publish(
+                s.work_subject(self.config.trainer_group),
+                codec.pack(unit),
+                msg_id=unit.unit_id,
+                traceparent=ctx,
+            )
         if isinstance(unit, WorkUnit):
             models = sorted({item.model_id for item in unit.items})
             requests = sorted({item.request_id for item in unit.items})
@@ -162,7 +171,9 @@ class PlannerService:
                 at_ns=now_ns(),
                 traceparent=cmd.traceparent,
             )
-            await self.bus.publish(s.result_subject(cmd.request_id), codec.pack(result), msg_id=cmd.request_id)
+            await self.bus.publish(
+                s.result_subject(cmd.request_id), codec.pack(result), msg_id=cmd.request_id
+            )
             duration_ms = (now_ns() - cmd.at_ns) / 1e6 if cmd.at_ns else 0.0
             if isinstance(done.body, Failure):
                 event: RequestCompleted | RequestFailed = RequestFailed(
@@ -208,7 +219,9 @@ class PlannerService:
     async def _seal(self, model_id: str, tenant: str, seq_id: int) -> None:
         request_id = f"{model_id}:{seq_id}"
         kv = await self.bus.kv(s.KV_SEQ)
-        claim = SeqClaim(request_id=request_id, fingerprint="sealed", kind="sealed", tenant=tenant, accepted_ns=now_ns())
+        claim = SeqClaim(
+            request_id=request_id, fingerprint="sealed", kind="sealed", tenant=tenant, accepted_ns=now_ns()
+        )
         try:
             await kv.create(s.seq_key(model_id, seq_id), codec.to_json(claim))
         except KeyWrongLastSequenceError:
@@ -241,5 +254,3 @@ async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
         await service.run(stop)
     finally:
         await bus.close()
-
-

@@ -20,6 +20,7 @@ import httpx
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from infra import tracing
 from infra.bus import Bus, fetch_loop
 from libs.checkpoints import layout
 from libs.contracts import codec
@@ -85,7 +86,10 @@ class PublisherService:
         for msg in msgs:
             publish = codec.publish_decoder.decode(msg.data)
             try:
-                body = await self.publish(publish)
+                with tracing.span(
+                    "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
+                ):
+                    body = await self.publish(publish)
             except Exception as exc:
                 log.exception("publishing %s failed", publish.request_id)
                 body = Failure(

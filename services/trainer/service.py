@@ -17,11 +17,13 @@ import os
 import socket
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from infra import tracing
 from infra.bus import Bus, fetch_loop, last_seq, replay
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
@@ -143,9 +145,13 @@ class TrainerService:
             started = now_ns()
             working = asyncio.create_task(self._keep_alive(msg))
             try:
-                outcome, publishes = await asyncio.to_thread(self.execute, unit, False)
+                with tracing.span(
+                    "trainer.execute", unit.traceparent, unit_id=unit.unit_id, trainer=self.trainer_id
+                ) as ctx:
+                    outcome, publishes = await asyncio.to_thread(self.execute, unit, False)
             finally:
                 working.cancel()
+            publishes = [msgspec.structs.replace(p, traceparent=ctx) for p in publishes]
             for publish in publishes:
                 await self.bus.publish(
                     s.publish_subject(publish.model_id), codec.pack(publish), msg_id=publish.request_id
@@ -429,8 +435,6 @@ def ok(op: InitSlot | ReleaseSlot | LoadSlot) -> OpOutcome:
 
 
 def envelope(publish: PublishSnapshot, model_id: str, request_id: str, tenant: str) -> PublishSnapshot:
-    import msgspec
-
     return msgspec.structs.replace(
         publish, model_id=model_id, request_id=request_id, tenant=tenant, at_ns=now_ns()
     )
