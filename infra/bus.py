@@ -19,7 +19,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
+from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
 from nats.js.kv import KeyValue
 
 from infra import tracing
@@ -123,6 +123,7 @@ async def replay(
     subject: str,
     upto_seq: int,
     handle: Callable[[Msg], Awaitable[None] | None],
+    from_seq: int = 1,
 ) -> int:
     """Feed every message of `stream` (matching `subject`) with sequence <= `upto_seq` to `handle`.
 
@@ -130,14 +131,23 @@ async def replay(
     from the log on start. Returns how many messages were replayed.
     """
     info = await bus.js.stream_info(stream)
-    if upto_seq <= 0 or info.state.messages == 0 or info.state.first_seq > upto_seq:
+    if upto_seq <= 0 or info.state.messages == 0 or max(info.state.first_seq, from_seq) > upto_seq:
         return 0
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def on_message(msg: Msg) -> None:
         await queue.put(msg)
 
-    sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, cb=on_message)
+    if from_seq > 1:
+        sub = await bus.js.subscribe(
+            subject,
+            stream=stream,
+            ordered_consumer=True,
+            cb=on_message,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq),
+        )
+    else:
+        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, cb=on_message)
     count = 0
     try:
         while True:

@@ -16,6 +16,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from infra.faults import crash_point
+
 SEGMENT = {"training": "weights", "sampler": "sampler_weights"}
 
 
@@ -71,6 +73,7 @@ def write_dir_atomically(
             with open(child, "rb") as handle:
                 os.fsync(handle.fileno())
         fsync_dir(tmp)
+        crash_point("write.before_rename")
         try:
             os.rename(tmp, final)
         except OSError:
@@ -90,6 +93,7 @@ def switch_link(public: Path, target: Path) -> None:
     public.parent.mkdir(parents=True, exist_ok=True)
     link = public.parent / f".link-{public.name}-{uuid.uuid4().hex[:8]}"
     os.symlink(os.path.relpath(target, public.parent), link)
+    crash_point("link.before_replace")
     os.replace(link, public)
     fsync_dir(public.parent)
 
@@ -103,11 +107,14 @@ def resolve(public: Path) -> Path | None:
 
 
 def clean_temporaries(root: Path) -> int:
-    """Remove `.tmp-*` leftovers of writers that died mid-way (never reachable by a name)."""
+    """Remove `.tmp-*` / `.link-*` leftovers of writers that died mid-way (never reachable by a name)."""
     removed = 0
     if not root.exists():
         return 0
     for tmp in root.rglob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+        removed += 1
+    for link in root.rglob(".link-*"):
+        link.unlink(missing_ok=True)
         removed += 1
     return removed

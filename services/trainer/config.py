@@ -22,6 +22,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
     heartbeat_s: float = 5.0
+    snapshot_every_steps: int = 20
+    """Take an internal snapshot after this many optimizer steps (all slots together)..."""
+    snapshot_every_s: float = 120.0
+    """...or after this many seconds with work done, whichever comes first. Replay stays short."""
 
 
 def load_config(env: Mapping[str, str], **overrides: object) -> TrainerConfig:

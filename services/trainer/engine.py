@@ -190,6 +190,17 @@ class TrainerEngine:
         self._require_slot(slot)
         return slot_state.get_slot_grads(self.pool, slot)
 
+    def set_slot_grads(self, slot: int, grads: dict[str, torch.Tensor], pending: bool) -> None:
+        """Put back gradients captured by ``get_slot_grads`` (and whether they count as pending)."""
+        self._require_slot(slot)
+        slot_state.set_slot_grads(self.pool, slot, grads)
+        if pending:
+            self._pending.add(slot)
+
+    @property
+    def pending_slots(self) -> set[int]:
+        return set(self._pending)
+
     def set_slot_state(self, slot: int, state: SlotState, with_optimizer: bool) -> None:
         slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)

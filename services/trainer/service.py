@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import msgspec
@@ -48,6 +49,7 @@ from libs.contracts.work import (
     WorkUnit,
 )
 from libs.models.registry import resolve_base_model
+from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
 from services.trainer.state_io import peft_files, read_training_state, training_state_files
@@ -71,6 +73,9 @@ class TrainerService:
         self.trainer_id = config.trainer_id or f"{config.group}-{socket.gethostname()}-{os.getpid()}"
         self.completed: set[str] = set()
         self.slot_models: dict[int, str] = {}
+        self.last_work_seq = 0
+        self.steps_since_snapshot = 0
+        self.last_snapshot_at = time.monotonic()
         self.ready = False
 
     # --- start-up ---------------------------------------------------------------------------
@@ -88,35 +93,42 @@ class TrainerService:
         )
 
     async def recover(self) -> int:
-        """Rebuild slot state by re-executing every unit that already has an outcome."""
+        """Rebuild slot state: newest internal snapshot, then re-execute later units that have outcomes."""
+        snapshot = trainer_snapshots.latest(self.data_dir, self.config.group)
+        base_seq = 0
+        if snapshot is not None:
+            base_seq, self.slot_models = await asyncio.to_thread(
+                trainer_snapshots.restore, self.engine, snapshot
+            )
+            log.info("restored snapshot %s (%d slots)", snapshot.name, len(self.slot_models))
+        self.last_work_seq = base_seq
 
         def on_outcome(msg: Msg) -> None:
-            outcome = codec.outcome_decoder.decode(msg.data)
-            self.completed.add(outcome.unit_id)
+            self.completed.add(codec.outcome_decoder.decode(msg.data).unit_id)
 
+        outcomes_last = await last_seq(self.bus, s.STREAM_OUTCOMES)
         await replay(
-            self.bus,
-            s.STREAM_OUTCOMES,
-            s.outcome_subject(self.config.group),
-            await last_seq(self.bus, s.STREAM_OUTCOMES),
-            on_outcome,
+            self.bus, s.STREAM_OUTCOMES, s.outcome_subject(self.config.group), outcomes_last, on_outcome
         )
-        units: list[Unit] = []
+        units: list[tuple[int, Unit]] = []
 
         def on_unit(msg: Msg) -> None:
             unit = codec.unit_decoder.decode(msg.data)
             if unit.unit_id in self.completed:
-                units.append(unit)
+                units.append((msg.metadata.sequence.stream, unit))
 
+        work_last = await last_seq(self.bus, s.STREAM_WORK)
         await replay(
             self.bus,
             s.STREAM_WORK,
             s.work_subject(self.config.group),
-            await last_seq(self.bus, s.STREAM_WORK),
+            work_last,
             on_unit,
+            from_seq=base_seq + 1,
         )
-        for unit in units:
+        for seq, unit in units:
             await asyncio.to_thread(self.execute, unit, True)
+            self.last_work_seq = seq
         return len(units)
 
     # --- the loop ---------------------------------------------------------------------------
@@ -138,8 +150,10 @@ class TrainerService:
     async def _on_units(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             unit = codec.unit_decoder.decode(msg.data)
+            seq = msg.metadata.sequence.stream
             if unit.unit_id in self.completed:
                 await msg.ack()  # redelivered after its outcome was published: no second effect
+                self.last_work_seq = max(self.last_work_seq, seq)
                 continue
             await self.bus.emit(UnitStarted(unit_id=unit.unit_id, trainer=self.trainer_id, at_ns=now_ns()))
             started = now_ns()
@@ -161,6 +175,10 @@ class TrainerService:
             )
             self.completed.add(unit.unit_id)
             await msg.ack()
+            self.last_work_seq = seq
+            if isinstance(unit, BarrierUnit):
+                self.steps_since_snapshot += sum(isinstance(op, StepSlot) for op in unit.ops)
+            await self._maybe_snapshot()
             ok = not (isinstance(outcome, WorkOutcome) and outcome.error)
             await self.bus.emit(
                 UnitFinished(
@@ -171,6 +189,22 @@ class TrainerService:
                     at_ns=now_ns(),
                 )
             )
+
+    async def _maybe_snapshot(self) -> None:
+        due_steps = self.steps_since_snapshot >= self.config.snapshot_every_steps
+        due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
+        if not (due_steps or (due_time and self.steps_since_snapshot)):
+            return
+        await asyncio.to_thread(
+            trainer_snapshots.take,
+            self.engine,
+            dict(self.slot_models),
+            self.data_dir,
+            self.config.group,
+            self.last_work_seq,
+        )
+        self.steps_since_snapshot = 0
+        self.last_snapshot_at = time.monotonic()
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:

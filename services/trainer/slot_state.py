@@ -88,3 +88,13 @@ def get_slot_grads(pool: AdapterPool, slot: int) -> dict[str, torch.Tensor]:
         local = torch.zeros_like(tensor.value()) if g is None else g
         grads[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
     return grads
+
+
+def set_slot_grads(pool: AdapterPool, slot: int, grads: dict[str, torch.Tensor]) -> None:
+    """Restore accumulated gradients saved by ``get_slot_grads`` (recovery of a mid-window slot)."""
+    rank, size = tp_rank(), tp_size()
+    for tensor in pool.slot_tensors(slot):
+        if tensor.param.grad is None:
+            tensor.param.grad = torch.zeros_like(tensor.param)
+        with torch.no_grad():
+            tensor.param.grad[tensor.index].copy_(shard(grads[tensor.name], tensor.kind, rank, size))
