@@ -103,6 +103,13 @@ class Stack:
         os.killpg(child.process.pid, signal.SIGKILL)
         return self._ready[service]
 
+    def restart_nats(self) -> None:
+        """Stop nats-server (SIGTERM) and start it again on the same port and store."""
+        assert self.nats is not None
+        port = int(self.nats.url.rsplit(":", 1)[1])
+        self.nats.stop()
+        self.nats = start_nats(self.data_dir / "nats", port=port)
+
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stopping.set()
