@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: on CPU machines this is the local CPU wheel, not a CUDA download.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,cookbook]'
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 # The JSON-era SDK, in its own environment, for the backward-compatibility contract run.

@@ -1,0 +1,112 @@
+"""tinker-cookbook 0.6.1, unmodified, against the real stack on the tiny model.
+
+The cookbook's supervised loop (bundled example conversations, `role_colon` renderer) trains with
+checkpoints and then resumes from its saved state; the RL loop trains on the cookbook's
+arithmetic environment with `importance_sampling`, then with `ppo`. No outbound network: the
+cookbook's pricing fetch is switched off the way its own module allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline_cookbook(stack: Stack) -> None:
+    import tinker_cookbook.utils.cost_estimation as cost_estimation
+
+    cost_estimation._pricing_fetched = True  # the cookbook's own switch for "already fetched"
+    os.environ["TINKER_API_KEY"] = "tml-cookbook"
+
+
+def tokenizer_path(stack: Stack) -> str:
+    return str(stack.data_dir / "models" / "tiny-qwen3")
+
+
+def sl_config(stack: Stack, log_path: Path, max_steps: int):  # type: ignore[no-untyped-def]
+    import tinker_cookbook
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    model = tokenizer_path(stack)
+    conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    builder = FromConversationFileBuilder(
+        file_path=str(conversations),
+        common_config=ChatDatasetBuilderCommonConfig(
+            model_name_for_tokenizer=model, renderer_name="role_colon", max_length=128, batch_size=8
+        ),
+    )
+    return train.Config(
+        log_path=str(log_path),
+        model_name=model,
+        recipe_name="tinkerd_e2e_sl",
+        renderer_name="role_colon",
+        dataset_builder=builder,
+        learning_rate=1e-3,
+        lora_rank=8,
+        base_url=stack.base_url,
+        max_steps=max_steps,
+        save_every=2,
+        eval_every=0,
+        infrequent_eval_every=0,
+    )
+
+
+def read_checkpoints(log_path: Path) -> list[dict[str, object]]:
+    lines = (log_path / "checkpoints.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: Path) -> None:
+    from tinker_cookbook.supervised import train
+
+    log_path = tmp_path / "sl"
+    asyncio.run(train.main(sl_config(stack, log_path, max_steps=3)))
+    first = read_checkpoints(log_path)
+    assert first, "the cookbook wrote no checkpoint"
+    assert all(str(c.get("state_path", "")).startswith("tinker://") for c in first if "state_path" in c)
+
+    asyncio.run(train.main(sl_config(stack, log_path, max_steps=5)))  # resumes from the saved state
+    second = read_checkpoints(log_path)
+    assert len(second) > len(first)
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m["step"] for m in metrics if "step" in m]
+    assert max(steps) >= 4, "the resumed run did not continue to the later steps"
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+def test_rl_train_on_arithmetic(stack: Stack, tmp_path: Path, loss_fn: str) -> None:
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl import train
+
+    model = tokenizer_path(stack)
+    config = train.Config(
+        learning_rate=1e-3,
+        dataset_builder=ArithmeticDatasetBuilder(
+            batch_size=2, group_size=2, n_batches=2, model_name_for_tokenizer=model, renderer_name="role_colon"
+        ),
+        model_name=model,
+        recipe_name="tinkerd_e2e_rl",
+        renderer_name="role_colon",
+        max_tokens=6,
+        log_path=str(tmp_path / f"rl-{loss_fn}"),
+        eval_every=0,
+        save_every=0,
+        loss_fn=loss_fn,  # type: ignore[arg-type]
+        lora_rank=8,
+        base_url=stack.base_url,
+        max_steps=2,
+    )
+    asyncio.run(train.main(config))
+    metrics = [json.loads(line) for line in (tmp_path / f"rl-{loss_fn}" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) >= 2
