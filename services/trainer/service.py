@@ -265,7 +265,9 @@ class TrainerService:
                         )
                     )
                 except ValueError as exc:
-                    results.append(DatumOutcome(item.request_id, item.index, b"", 0.0, error=str(exc)))
+                    # The datum ran alone, so the engine calls it data[0]: name its place in the request.
+                    error = str(exc).replace("data[0]", f"data[{item.index}]", 1)
+                    results.append(DatumOutcome(item.request_id, item.index, b"", 0.0, error=error))
         except Exception as exc:
             log.exception("unit %s failed", unit.unit_id)
             return WorkOutcome(
@@ -283,7 +285,24 @@ class TrainerService:
         publishes: list[PublishSnapshot] = []
         steps = [op for op in unit.ops if isinstance(op, StepSlot)]
         if steps:
-            outcomes += self._steps(steps)
+            try:
+                outcomes += self._steps(steps)
+            except Exception as exc:
+                log.exception("optimizer step of unit %s failed", unit.unit_id)
+                for step in steps:  # never leave half a window behind for the next step to apply
+                    with contextlib.suppress(Exception):
+                        self.engine.discard_grads(step.slot)
+                outcomes += [
+                    OpOutcome(
+                        model_id=step.model_id,
+                        request_id=step.request_id,
+                        ok=False,
+                        error=f"optimizer step failed ({type(exc).__name__}: {exc}); the accumulated "
+                        "gradients were discarded: resubmit the batch's forward_backward calls, then optim_step",
+                        category="server",
+                    )
+                    for step in steps
+                ]
         for op in unit.ops:
             if isinstance(op, StepSlot):
                 continue
@@ -296,8 +315,8 @@ class TrainerService:
                         model_id=op.model_id,
                         request_id=op.request_id,
                         ok=False,
-                        error=f"{type(exc).__name__}: {exc}",
-                        category="server",
+                        error=str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                        category="user" if isinstance(exc, UserError) else "server",
                     ),
                     None,
                 )
@@ -404,13 +423,12 @@ class TrainerService:
             train_mlp=state.config.train_mlp,
             train_unembed=state.config.train_unembed,
         )
-        tenant = op.tenant
         staging = layout.staging_dir(self.data_dir, unit.unit_id, op.request_id)
         if isinstance(op, SaveSlot):
             meta = fmt.TrainingStateMeta(
                 base_model=self.base_model,
                 model_id=op.model_id,
-                tenant=tenant,
+                tenant=op.tenant,
                 rank=lora.rank,
                 seed=state.config.seed,
                 train_attn=lora.train_attn,
@@ -418,41 +436,37 @@ class TrainerService:
                 train_unembed=lora.train_unembed,
                 step=state.step,
             )
-            layout.write_dir_atomically(staging, training_state_files(state, meta))
-            publish = PublishSnapshot(
-                kind="training",
-                staging_dir=str(staging),
-                base_model=self.base_model,
-                lora=lora,
-                step=state.step,
-                tinker_path=op.tinker_path,
-                ttl_s=op.ttl_s,
-                user_metadata=op.user_metadata,
-                version=unit.unit_id,
-            )
+            files = training_state_files(state, meta)
+            kind, sampler_id, metadata = "training", None, op.user_metadata
         else:
             tensors, adapter_config = self.engine.export_peft(op.slot)
             adapter_config["base_model_name_or_path"] = self.base_model
-            meta_s = fmt.SnapshotMeta(
+            snapshot_meta = fmt.SnapshotMeta(
                 base_model=self.base_model,
                 model_id=op.model_id,
-                tenant=tenant,
+                tenant=op.tenant,
                 rank=lora.rank,
                 step=state.step,
             )
-            layout.write_dir_atomically(staging, peft_files(tensors, adapter_config, meta_s))
-            publish = PublishSnapshot(
-                kind="sampler",
-                staging_dir=str(staging),
-                base_model=self.base_model,
-                lora=lora,
-                step=state.step,
-                tinker_path=op.tinker_path,
-                sampling_session_id=op.sampling_session_id,
-                ttl_s=op.ttl_s,
-                version=unit.unit_id,
-            )
-        publish = envelope(publish, op.model_id, op.request_id, tenant)
+            files = peft_files(tensors, adapter_config, snapshot_meta)
+            kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
+        layout.write_dir_atomically(staging, files)
+        publish = PublishSnapshot(
+            kind=kind,
+            staging_dir=str(staging),
+            base_model=self.base_model,
+            lora=lora,
+            step=state.step,
+            tinker_path=op.tinker_path,
+            sampling_session_id=sampler_id,
+            ttl_s=op.ttl_s,
+            user_metadata=metadata,
+            version=unit.unit_id,
+            model_id=op.model_id,
+            request_id=op.request_id,
+            tenant=op.tenant,
+            at_ns=now_ns(),
+        )
         return handoff, publish
 
 
@@ -466,12 +480,6 @@ def raise_user(message: str) -> None:
 
 def ok(op: InitSlot | ReleaseSlot | LoadSlot) -> OpOutcome:
     return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=True)
-
-
-def envelope(publish: PublishSnapshot, model_id: str, request_id: str, tenant: str) -> PublishSnapshot:
-    return msgspec.structs.replace(
-        publish, model_id=model_id, request_id=request_id, tenant=tenant, at_ns=now_ns()
-    )
 
 
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
