@@ -76,6 +76,8 @@ class Stack:
             "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
             "TINKERD_LOG_LEVEL": "INFO",
             "TINKER_TELEMETRY": "0",
+            "TINKERD_NUM_SLOTS": "16",  # planner and trainer agree on the slot pool
+            "TINKERD_MAX_LORA_RANK": "32",
             "TINKERD_TRACE_EXPORTER": "jsonl",
             "TINKERD_TRACE_FILE": str(self.data_dir / "traces-{service}.jsonl"),
             **self.env_overrides,
