@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -164,6 +166,26 @@ async def replay(
     finally:
         await sub.unsubscribe()
     return count
+
+
+async def ensure_durable(bus: Bus, stream: str, config: ConsumerConfig) -> None:
+    """Create the durable consumer, or — when it exists — rewind it to its ack floor.
+
+    A process killed mid-message leaves that message "in flight" until its ack wait expires. The
+    restarted process is the consumer's only reader, so it rewinds the consumer to just after the
+    ack floor: unacked messages come again at once instead of after the ack wait.
+    """
+    try:
+        info = await bus.js.consumer_info(stream, config.durable_name or "")
+    except nats.js.errors.NotFoundError:
+        await bus.js.add_consumer(stream, config)
+        return
+    if not info.num_ack_pending:
+        return
+    floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+    await bus.js.delete_consumer(stream, config.durable_name or "")
+    rewound = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=floor + 1)
+    await bus.js.add_consumer(stream, rewound)
 
 
 async def ack_floor(bus: Bus, stream: str, durable: str) -> int:

@@ -13,7 +13,11 @@ from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL
 
 
 def _nats_url(args: argparse.Namespace) -> str:
-    return str(args.nats or os.environ.get("TINKERD_NATS_URL") or DEFAULT_NATS_URL)
+    """--nats, else TINKERD_NATS_URL, else the server `tinkerd up` started for this data dir."""
+    if args.nats or os.environ.get("TINKERD_NATS_URL"):
+        return str(args.nats or os.environ["TINKERD_NATS_URL"])
+    written = Path(os.environ.get("TINKERD_DATA_DIR", DEFAULT_DATA_DIR)) / "nats.url"
+    return written.read_text().strip() if written.exists() else DEFAULT_NATS_URL
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ changed retention in place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -26,13 +27,23 @@ DAY_S = 86_400.0
 
 @dataclass(frozen=True)
 class Retention:
-    """How long each stream keeps its messages (seconds)."""
+    """How long each stream keeps its messages (seconds); `TINKERD_RETENTION_<FIELD>` overrides."""
 
     log_s: float = 7 * DAY_S  # requests, work, outcomes, publish: the replayable log
     results_s: float = 3_600.0  # a future's result; past it the future answers 410
     events_s: float = DAY_S
     dedupe_window_s: float = 120.0
     trainer_ttl_s: float = 20.0  # a trainer that stops heartbeating drops out of healthz
+
+
+    @classmethod
+    def from_env(cls) -> Retention:
+        values = {}
+        for name in cls.__dataclass_fields__:
+            raw = os.environ.get(f"TINKERD_RETENTION_{name.upper()}")
+            if raw is not None:
+                values[name] = float(raw)
+        return cls(**values)
 
 
 def stream_configs(r: Retention) -> list[StreamConfig]:
@@ -84,7 +95,7 @@ def bucket_configs(r: Retention) -> list[KeyValueConfig]:
 
 async def ensure_streams(js: JetStreamContext, retention: Retention | None = None) -> None:
     """Create (or update in place) every stream and bucket. Safe to run from many processes."""
-    r = retention or Retention()
+    r = retention or Retention.from_env()
     for config in stream_configs(r):
         try:
             await js.add_stream(config)

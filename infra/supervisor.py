@@ -174,6 +174,7 @@ def up(
     if nats_url is None:
         nats = start_nats(data_dir / "nats", log_sink=data_dir / "nats.log")
         nats_url = nats.url
+        (data_dir / "nats.url").write_text(nats_url)  # for `tinkerd status` / `tinkerd events`
         print(
             f"{_prefix('nats')}nats-server {nats.url} (monitor {nats.monitor_url}, store {data_dir / 'nats'})"
         )

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
-from infra.bus import Bus, fetch_loop
+from infra.bus import Bus, ensure_durable, fetch_loop
 from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -41,6 +41,19 @@ def parse_path(tinker_path: str) -> tuple[str, str]:
     return run, name
 
 
+RESULT_TYPE = {
+    "training": "save_weights",
+    "sampler": "save_weights_for_sampler",
+    "external": "save_weights_external",
+}
+
+
+def path_kind(p: PublishSnapshot) -> str:
+    """The catalogue kind: save_weights_external arrives as a sampler export to `external_weights/`."""
+    segment = (p.tinker_path or "").removeprefix("tinker://").split("/")[1:2]
+    return "external" if segment == ["external_weights"] else p.kind
+
+
 def checkpoint_key(run: str, kind: str, name: str) -> str:
     return f"{s.token(run)}.{kind}.{name}"
 
@@ -57,17 +70,15 @@ class PublisherService:
         self.data_dir = Path(config.data_dir).expanduser().resolve()
 
     async def ensure_consumer(self) -> None:
-        await self.bus.js.add_consumer(
-            s.STREAM_PUBLISH,
-            ConsumerConfig(
-                durable_name=s.DURABLE_PUBLISHER,
-                filter_subject=s.PUBLISH_ALL,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=300.0,
-                max_ack_pending=64,
-            ),
+        config = ConsumerConfig(
+            durable_name=s.DURABLE_PUBLISHER,
+            filter_subject=s.PUBLISH_ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=300.0,
+            max_ack_pending=64,
         )
+        await ensure_durable(self.bus, s.STREAM_PUBLISH, config)
 
     async def run(self, stop: asyncio.Event) -> None:
         layout.clean_temporaries(self.data_dir / "checkpoints")
@@ -102,20 +113,21 @@ class PublisherService:
         staging = Path(p.staging_dir)
         if p.tinker_path is not None:
             run, name = parse_path(p.tinker_path)
-            version_dir = layout.versions_dir(self.data_dir, run, p.kind) / f"{name}@{p.version}"
+            kind = path_kind(p)
+            version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
             await asyncio.to_thread(
                 layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
             )
             await asyncio.to_thread(
-                layout.switch_link, layout.public_path(self.data_dir, run, p.kind, name), version_dir
+                layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
             )
             engine_name = adapter_name(run, name, p.version)
-            if p.kind == "sampler":
+            if kind == "sampler":
                 await self._load_everywhere(engine_name, version_dir)
             record = CheckpointRecord(
                 tinker_path=p.tinker_path,
                 training_run_id=run,
-                kind=p.kind,
+                kind=kind,
                 name=name,
                 tenant=p.tenant,
                 base_model=p.base_model,
@@ -125,17 +137,13 @@ class PublisherService:
                 size_bytes=dir_size(version_dir),
                 expires_ns=now_ns() + p.ttl_s * 1_000_000_000 if p.ttl_s else None,
                 user_metadata=dict(p.user_metadata) if p.user_metadata else None,
-                adapter_name=engine_name if p.kind == "sampler" else None,
+                adapter_name=engine_name if kind == "sampler" else None,
             )
             kv = await self.bus.kv(s.KV_CHECKPOINTS)
-            await kv.put(checkpoint_key(run, p.kind, name), codec.to_json(record))
+            await kv.put(checkpoint_key(run, kind, name), codec.to_json(record))
             await self._event(p, engine_name, version_dir)
-            body = JsonResult(
-                body={
-                    "path": p.tinker_path,
-                    "type": "save_weights" if p.kind == "training" else "save_weights_for_sampler",
-                }
-            )
+            size = {"size_bytes": record.size_bytes} if kind == "external" else {}
+            body = JsonResult(body={"path": p.tinker_path, "type": RESULT_TYPE[kind], **size})
         else:
             assert p.sampling_session_id is not None
             version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
-from infra.bus import Bus, fetch_loop, last_seq, replay
+from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
 from libs.contracts import codec
@@ -80,17 +80,15 @@ class TrainerService:
 
     # --- start-up ---------------------------------------------------------------------------
     async def ensure_consumer(self) -> None:
-        await self.bus.js.add_consumer(
-            s.STREAM_WORK,
-            ConsumerConfig(
-                durable_name=s.durable_trainer(self.config.group),
-                filter_subject=s.work_subject(self.config.group),
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=600.0,
-                max_ack_pending=1,  # units run strictly in order
-            ),
+        config = ConsumerConfig(
+            durable_name=s.durable_trainer(self.config.group),
+            filter_subject=s.work_subject(self.config.group),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=60.0,  # a running unit reports progress every 15 s (see _keep_alive)
+            max_ack_pending=1,  # units run strictly in order
         )
+        await ensure_durable(self.bus, s.STREAM_WORK, config)
 
     async def recover(self) -> int:
         """Rebuild slot state: newest internal snapshot, then re-execute later units that have outcomes."""
@@ -208,7 +206,7 @@ class TrainerService:
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:
-            await asyncio.sleep(30)  # a long unit: tell JetStream we are still working on it
+            await asyncio.sleep(15)  # a long unit: tell JetStream we are still working on it
             await msg.in_progress()
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
