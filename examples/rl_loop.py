@@ -28,17 +28,18 @@ for iteration in range(args.iterations):
     rewards = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in result.sequences], dtype=np.float32)
     advantages = rewards - rewards.mean()
     data = []
-    for seq, advantage in zip(result.sequences, advantages):
+    for seq, advantage in zip(result.sequences, advantages, strict=True):
         tokens = prompt + list(seq.tokens)
         n = len(tokens) - 1
         sampled = len(seq.tokens)
+        inputs = {
+            "target_tokens": np.array(tokens[1:]),
+            "logprobs": np.array([0.0] * (n - sampled) + list(seq.logprobs or []), dtype=np.float32),
+            "advantages": np.array([0.0] * (n - sampled) + [advantage] * sampled, dtype=np.float32),
+        }
         data.append(types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": np.array(tokens[1:]),
-                "logprobs": np.array([0.0] * (n - sampled) + list(seq.logprobs), dtype=np.float32),
-                "advantages": np.array([0.0] * (n - sampled) + [advantage] * sampled, dtype=np.float32),
-            },
+            loss_fn_inputs={k: types.TensorData.from_numpy(v) for k, v in inputs.items()},
         ))
     training.forward_backward(data, "importance_sampling").result()
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()

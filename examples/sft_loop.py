@@ -23,7 +23,7 @@ tokenizer = training.get_tokenizer()
 tokens = tokenizer.encode(args.text)
 datum = types.Datum(
     model_input=types.ModelInput.from_ints(tokens[:-1]),
-    loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1, dtype=np.float32)},
+    loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.array(tokens[1:])), "weights": types.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32))},
 )
 
 for step in range(args.steps):

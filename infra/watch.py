@@ -78,47 +78,52 @@ class Status(msgspec.Struct):
 async def collect_status(nats_url: str) -> Status:
     bus = await Bus.connect(nats_url, "status")
     try:
-        sessions = await _records(bus, s.KV_SESSIONS, SessionRecord)
-        models = await _records(bus, s.KV_MODELS, ModelRecord)
-        trainers = await _records(bus, s.KV_TRAINERS, TrainerStatus)
-        streams = {}
-        for name in (
-            s.STREAM_REQUESTS,
-            s.STREAM_WORK,
-            s.STREAM_OUTCOMES,
-            s.STREAM_PUBLISH,
-            s.STREAM_RESULTS,
-            s.STREAM_EVENTS,
-        ):
-            info = await bus.js.stream_info(name)
-            streams[name] = {
-                "messages": info.state.messages,
-                "bytes": info.state.bytes,
-                "last_seq": info.state.last_seq,
-            }
-        consumers = {}
-        for name in (s.STREAM_REQUESTS, s.STREAM_WORK, s.STREAM_OUTCOMES, s.STREAM_PUBLISH):
-            for consumer in await bus.js.consumers_info(name):
-                if consumer.config.durable_name:
-                    consumers[f"{name}/{consumer.name}"] = {
-                        "pending": consumer.num_pending or 0,
-                        "ack_pending": consumer.num_ack_pending or 0,
-                        "redelivered": consumer.num_redelivered or 0,
-                    }
-        depth: dict[str, int] = {}
-        for model in models:
-            try:
-                info = await bus.js.stream_info(
-                    s.STREAM_REQUESTS, subjects_filter=s.request_subject(model.model_id)
-                )
-                depth[model.model_id] = (
-                    sum((info.state.subjects or {}).values()) if info.state.subjects else 0
-                )
-            except nats.errors.Error:
-                depth[model.model_id] = 0
-        return Status(sessions, models, trainers, streams, consumers, depth)
+        return await status_of(bus)
     finally:
         await bus.close()
+
+
+async def status_of(bus: Bus) -> Status:
+    """The status as seen through an existing connection (the gateway's operator route uses it)."""
+    sessions = await _records(bus, s.KV_SESSIONS, SessionRecord)
+    models = await _records(bus, s.KV_MODELS, ModelRecord)
+    trainers = await _records(bus, s.KV_TRAINERS, TrainerStatus)
+    streams = {}
+    for name in (
+        s.STREAM_REQUESTS,
+        s.STREAM_WORK,
+        s.STREAM_OUTCOMES,
+        s.STREAM_PUBLISH,
+        s.STREAM_RESULTS,
+        s.STREAM_EVENTS,
+    ):
+        info = await bus.js.stream_info(name)
+        streams[name] = {
+            "messages": info.state.messages,
+            "bytes": info.state.bytes,
+            "last_seq": info.state.last_seq,
+        }
+    consumers = {}
+    for name in (s.STREAM_REQUESTS, s.STREAM_WORK, s.STREAM_OUTCOMES, s.STREAM_PUBLISH):
+        for consumer in await bus.js.consumers_info(name):
+            if consumer.config.durable_name:
+                consumers[f"{name}/{consumer.name}"] = {
+                    "pending": consumer.num_pending or 0,
+                    "ack_pending": consumer.num_ack_pending or 0,
+                    "redelivered": consumer.num_redelivered or 0,
+                }
+    depth: dict[str, int] = {}
+    for model in models:
+        try:
+            info = await bus.js.stream_info(
+                s.STREAM_REQUESTS, subjects_filter=s.request_subject(model.model_id)
+            )
+            depth[model.model_id] = (
+                sum((info.state.subjects or {}).values()) if info.state.subjects else 0
+            )
+        except nats.errors.Error:
+            depth[model.model_id] = 0
+    return Status(sessions, models, trainers, streams, consumers, depth)
 
 
 async def print_status(nats_url: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from infra.faults import crash_point
 
-SEGMENT = {"training": "weights", "sampler": "sampler_weights"}
+SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 
 
 def _fs_token(value: str) -> str:

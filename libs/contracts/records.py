@@ -45,6 +45,15 @@ class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):
     status: int = 200
 
 
+class QueueRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """A request that is accepted but cannot start yet (e.g. create_model with no free slot)."""
+
+    request_id: str
+    queue_state: str  # the SDK's QueueState: "paused_capacity" | "paused_rate_limit"
+    reason: str = ""
+    since_ns: int = 0
+
+
 class SamplerRecord(msgspec.Struct, kw_only=True):
     sampler_id: str
     tenant: str

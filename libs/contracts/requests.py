@@ -51,11 +51,16 @@ class SaveWeights(Envelope, tag="save_weights", kw_only=True, frozen=True):
 
 
 class SaveForSampler(Envelope, tag="save_weights_for_sampler", kw_only=True, frozen=True):
-    """A PEFT snapshot for sampling: named (`name`) or ephemeral (`sampling_session_id`)."""
+    """A PEFT snapshot for sampling: named (`name`) or ephemeral (`sampling_session_id`).
+
+    `external`: the same PEFT files, saved as `tinker://RUN/external_weights/NAME` for download
+    (save_weights_external) rather than for sampling.
+    """
 
     name: str | None = None
     sampling_session_id: str | None = None
     ttl_s: int | None = None
+    external: bool = False
 
 
 class LoadWeights(Envelope, tag="load_weights", kw_only=True, frozen=True):

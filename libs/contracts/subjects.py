@@ -55,7 +55,10 @@ KV_CHECKPOINTS = "tinker_checkpoints"
 KV_TRAINERS = "tinker_trainers"
 """Live trainers and their readiness, with a TTL: the gateway's healthz reads it."""
 
-ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS)
+KV_QUEUE = "tinker_queue"
+"""request id -> why it waits (`QueueRecord`), written by the planner; try_again reports it."""
+
+ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE)
 
 _ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
 

@@ -28,14 +28,16 @@ class Admission:
         """
         if seq_id < self.highest_seq.get(model_id, -1):
             return
-        if len(self.per_model[model_id]) >= self.config.max_queue_depth_per_model:
+        queued = len(self.per_model.get(model_id, ()))
+        if queued >= self.config.max_queue_depth_per_model:
             raise Overloaded(
-                f"model {model_id} has {len(self.per_model[model_id])} requests queued "
+                f"model {model_id} has {queued} requests queued "
                 f"(limit max_queue_depth_per_model={self.config.max_queue_depth_per_model}); retry shortly"
             )
-        if len(self.per_tenant[tenant]) >= self.config.max_inflight_per_tenant:
+        inflight = len(self.per_tenant.get(tenant, ()))
+        if inflight >= self.config.max_inflight_per_tenant:
             raise Overloaded(
-                f"tenant has {len(self.per_tenant[tenant])} requests in flight "
+                f"tenant has {inflight} requests in flight "
                 f"(limit max_inflight_per_tenant={self.config.max_inflight_per_tenant}); retry shortly"
             )
 
@@ -45,8 +47,16 @@ class Admission:
         self.highest_seq[model_id] = max(self.highest_seq.get(model_id, -1), seq_id)
 
     def finished(self, tenant: str, model_id: str, request_id: str) -> None:
-        self.per_model[model_id].discard(request_id)
-        self.per_tenant[tenant].discard(request_id)
+        """Called for every result on the stream (see `Gateway.on_result`), so unknown ids are common."""
+        for table, key in ((self.per_model, model_id), (self.per_tenant, tenant)):
+            pending = table.get(key)
+            if pending is not None:
+                pending.discard(request_id)
+                if not pending:
+                    del table[key]
+
+    def queued(self) -> dict[str, int]:
+        return {model_id: len(pending) for model_id, pending in self.per_model.items()}
 
     def acquire_sampling(self, num_samples: int) -> None:
         """Weighted by num_samples: one request takes that many sub-generation permits."""

@@ -8,20 +8,25 @@ from litestar.di import Provide
 from services.gateway.config import GatewayConfig
 from services.gateway.context import lifespan, provide_gateway, provide_tenant
 from services.gateway.errors import EXCEPTION_HANDLERS
-from services.gateway.routes import bootstrap
+from services.gateway.routes import (
+    bootstrap,
+    catalog,
+    futures,
+    operator,
+    sampling,
+    sessions,
+    training,
+    unsupported,
+    weights,
+)
 from services.gateway.tracing_mw import trace_requests
+
+ROUTE_MODULES = (bootstrap, training, weights, futures, sampling, catalog, sessions, unsupported, operator)
 
 
 def create_app(config: GatewayConfig) -> Litestar:
-    routes = [*bootstrap.ROUTES]
-    for module_name in ("training", "futures", "sampling", "catalog", "operator"):
-        try:
-            module = __import__(f"services.gateway.routes.{module_name}", fromlist=["ROUTES"])
-        except ModuleNotFoundError:
-            continue
-        routes += module.ROUTES
     return Litestar(
-        route_handlers=routes,
+        route_handlers=[handler for module in ROUTE_MODULES for handler in module.ROUTES],
         dependencies={"gateway": Provide(provide_gateway), "tenant": Provide(provide_tenant)},
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan(config)],

@@ -6,11 +6,18 @@ name can never point outside it. Another tenant's checkpoint is a 404 unless it 
 
 from __future__ import annotations
 
+import datetime as dt
 import re
+import shutil
 from pathlib import Path
 
+import msgspec
+import nats.errors
+
+from libs.checkpoints import layout
 from libs.contracts import subjects as s
-from libs.contracts.records import CheckpointRecord
+from libs.contracts import tinker_wire as w
+from libs.contracts.records import CheckpointRecord, ModelRecord
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, NotFound
@@ -34,7 +41,9 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
         raise BadRequest(f"path {path!r} must start with tinker://")
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in SEGMENTS:
-        raise BadRequest(f"path {path!r} must look like tinker://RUN/(weights|sampler_weights)/NAME")
+        raise BadRequest(
+            f"path {path!r} must look like tinker://RUN/(weights|sampler_weights|external_weights)/NAME"
+        )
     run, segment, name = parts
     if not s.is_valid_id(run):
         raise NotFound(f"checkpoint {path!r} not found")
@@ -68,7 +77,7 @@ async def resolve_checkpoint(
                 f"{path} is a sampler snapshot (weights only, PEFT format); training state is restored from "
                 "a save_state checkpoint (tinker://RUN/weights/NAME)"
             )
-        raise BadRequest(f"{path} is a {record.kind} checkpoint, expected {kind}")
+        raise BadRequest(f"{path} is not a {kind} checkpoint (it is {record.kind})")
     if not within(gateway.data_dir, Path(record.directory)):
         raise NotFound(f"checkpoint {path!r} not found")
     if record.base_model != gateway.model.name:
@@ -76,3 +85,148 @@ async def resolve_checkpoint(
             f"checkpoint {path} was trained on base model {record.base_model!r}; this deployment serves {gateway.model.name!r}"
         )
     return record
+
+
+# --- catalogue views (what RestClient and the CLI read) -----------------------------------------
+
+KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
+
+
+def at(ns: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.UTC)
+
+
+def str_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
+    """The SDK's TrainingRun/Checkpoint carry `dict[str, str]` metadata."""
+    if metadata is None:
+        return None
+    return {k: v if isinstance(v, str) else msgspec.json.encode(v).decode() for k, v in metadata.items()}
+
+
+def checkpoint_view(record: CheckpointRecord) -> w.Checkpoint:
+    return w.Checkpoint(
+        checkpoint_id=f"{KIND_SEGMENT[record.kind]}/{record.name}",
+        checkpoint_type=record.kind,  # type: ignore[arg-type]
+        time=at(record.created_ns),
+        tinker_path=record.tinker_path,
+        size_bytes=record.size_bytes,
+        public=record.public,
+        user_metadata=str_metadata(record.user_metadata),
+        expires_at=at(record.expires_ns) if record.expires_ns else None,
+    )
+
+
+def run_view(model: ModelRecord, checkpoints: list[CheckpointRecord], last_ns: int) -> w.TrainingRun:
+    def newest(kind: str) -> w.Checkpoint | None:
+        mine = [c for c in checkpoints if c.kind == kind]
+        return checkpoint_view(max(mine, key=lambda c: c.created_ns)) if mine else None
+
+    return w.TrainingRun(
+        training_run_id=model.model_id,
+        base_model=model.base_model,
+        model_owner=model.tenant,
+        is_lora=True,
+        lora_rank=model.lora.rank,
+        last_request_time=at(max([last_ns, model.created_ns, *(c.created_ns for c in checkpoints)])),
+        last_checkpoint=newest("training"),
+        last_sampler_checkpoint=newest("sampler"),
+        user_metadata=str_metadata(model.user_metadata),
+    )
+
+
+def readable(record: CheckpointRecord, tenant: Tenant) -> bool:
+    return record.tenant == tenant.id or record.public
+
+
+async def run_checkpoints(gateway: Gateway, run_id: str) -> list[CheckpointRecord]:
+    """Every checkpoint of one training run, newest first."""
+    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=f"{s.token(run_id)}.")
+    return sorted((r for _, r in found), key=lambda r: r.created_ns, reverse=True)
+
+
+async def last_request_ns(gateway: Gateway, model_id: str) -> int:
+    """When the run's newest command was accepted (0 when its log holds none any more)."""
+    try:
+        msg = await gateway.bus.js.get_last_msg(s.STREAM_REQUESTS, s.request_subject(model_id))
+    except nats.errors.Error:
+        return 0
+    return int(msg.time.timestamp() * 1e9) if msg.time else 0
+
+
+async def owned_checkpoint(
+    gateway: Gateway, tenant: Tenant, run_id: str, checkpoint_id: str
+) -> tuple[str, CheckpointRecord | None]:
+    """(KV key, record) of the caller's own checkpoint `segment/name` of `run_id`; 404 if not theirs.
+
+    A missing record of a run the caller owns is (key, None), so deletes stay idempotent.
+    """
+    path = f"tinker://{run_id}/{checkpoint_id}"
+    run, kind, name = parse_tinker_path(path)
+    key = checkpoint_key(run, kind, name)
+    record = await gateway.store.get(s.KV_CHECKPOINTS, key, CheckpointRecord)
+    if record is not None:
+        if record.tenant != tenant.id:
+            raise NotFound(f"checkpoint {path!r} not found")
+        return key, record
+    model = await gateway.store.get(s.KV_MODELS, s.token(run), ModelRecord)
+    if model is None or model.tenant != tenant.id:
+        raise NotFound(f"checkpoint {path!r} not found")
+    return key, None
+
+
+async def readable_checkpoint(gateway: Gateway, tenant: Tenant, path: str) -> CheckpointRecord:
+    """The checkpoint at `path` if the caller owns it or it is published; 404 otherwise."""
+    run, kind, name = parse_tinker_path(path)
+    record = await gateway.store.get(s.KV_CHECKPOINTS, checkpoint_key(run, kind, name), CheckpointRecord)
+    if record is None or not readable(record, tenant) or not within(gateway.data_dir, Path(record.directory)):
+        raise NotFound(f"checkpoint {path!r} not found")
+    return record
+
+
+def delete_files(data_dir: Path, record: CheckpointRecord) -> None:
+    """Remove the public name and every version directory of one checkpoint (idempotent)."""
+    public = layout.public_path(data_dir, record.training_run_id, record.kind, record.name)
+    versions = layout.versions_dir(data_dir, record.training_run_id, record.kind)
+    if not within(data_dir, public.parent):
+        return
+    if public.is_symlink():
+        public.unlink(missing_ok=True)
+    for version in versions.glob(f"{record.name}@*") if versions.is_dir() else []:
+        if within(data_dir, version):
+            shutil.rmtree(version, ignore_errors=True)
+
+
+async def runs_visible(
+    gateway: Gateway, tenant: Tenant, accessible: bool
+) -> list[tuple[ModelRecord, list[CheckpointRecord]]]:
+    """The caller's runs (plus, when `accessible`, others' runs with published checkpoints), newest
+    first, each with the checkpoints the caller may see."""
+    checkpoints: dict[str, list[CheckpointRecord]] = {}
+    for _, record in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
+        if readable(record, tenant):
+            checkpoints.setdefault(record.training_run_id, []).append(record)
+    visible = []
+    for _, model in await gateway.store.scan(s.KV_MODELS, ModelRecord):
+        mine = checkpoints.get(model.model_id, [])
+        if model.tenant == tenant.id or (accessible and mine):
+            visible.append((model, mine))
+    return sorted(visible, key=lambda pair: pair[0].created_ns, reverse=True)
+
+
+async def visible_run(gateway: Gateway, tenant: Tenant, run_id: str, accessible: bool) -> w.TrainingRun:
+    """One run as the caller may see it; 404 for a run that is unknown or not theirs (unless
+    `accessible` and it has published checkpoints)."""
+    model = (
+        await gateway.store.get(s.KV_MODELS, s.token(run_id), ModelRecord) if s.is_valid_id(run_id) else None
+    )
+    if model is None:
+        raise NotFound(f"training run {run_id!r} not found")
+    checkpoints = [c for c in await run_checkpoints(gateway, run_id) if readable(c, tenant)]
+    if model.tenant != tenant.id and not (accessible and checkpoints):
+        raise NotFound(f"training run {run_id!r} not found")
+    return run_view(model, checkpoints, await last_request_ns(gateway, run_id))
+
+
+def check_page(limit: int, offset: int) -> None:
+    if not 1 <= limit <= 1000 or offset < 0:
+        raise BadRequest(f"limit must be in [1, 1000] and offset >= 0, got limit={limit} offset={offset}")

@@ -5,25 +5,25 @@ Built once by the app's lifespan and handed to handlers through dependency injec
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import logging
-
 from litestar import Litestar, Request
 
 from infra.bus import Bus
 from infra.streams import ensure_streams
+from libs.contracts.results import RequestResult
 from libs.models.registry import ResolvedModel, resolve_base_model
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.futures import FutureBoard
+from services.gateway.metrics import Metrics
 from services.gateway.store import Store
-
 
 log = logging.getLogger("tinkerd.gateway")
 
@@ -37,11 +37,17 @@ class Gateway:
     keys: KeyRing
     model: ResolvedModel
     admission: Admission
+    metrics: Metrics = field(default_factory=Metrics)
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     @property
     def data_dir(self) -> Path:
         return Path(self.config.data_dir).expanduser().resolve()
+
+    def on_result(self, result: RequestResult) -> None:
+        """A result arrived: the request no longer counts against admission limits."""
+        self.admission.finished(result.tenant, result.model_id, result.request_id)
+        self.metrics.on_result(result)
 
     def base_model_matches(self, name: str) -> bool:
         """The SDK sends back whatever name the client used: accept our name, alias or path."""
@@ -65,6 +71,7 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             await board.start()
             keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
             gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config))
+            board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
             app.state.gateway = gateway

@@ -6,11 +6,15 @@ for minutes. Overload is 429 with Retry-After, which the SDK backs off and retri
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import msgspec
+import nats.errors
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+
+log = logging.getLogger("tinkerd.gateway")
 
 
 class TinkerError(Exception):
@@ -124,7 +128,20 @@ def handle_decode(_: Request, exc: msgspec.ValidationError | msgspec.DecodeError
     return _respond(400, f"invalid request body: {exc}", "user")
 
 
+def handle_bus_down(_: Request, exc: nats.errors.Error) -> Response[ErrorBody]:
+    log.warning("event log unavailable: %s: %s", type(exc).__name__, exc)
+    return _respond(503, f"the event log is unavailable ({type(exc).__name__}); retry shortly", "server")
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response[ErrorBody]:
+    """Anything unforeseen still answers in the SDK's error shape (and is logged with its trace)."""
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    return _respond(500, f"internal error ({type(exc).__name__}); see the gateway log", "server")
+
+
 EXCEPTION_HANDLERS = {
+    Exception: handle_unexpected,
+    nats.errors.Error: handle_bus_down,
     TinkerError: handle_tinker_error,
     ValidationException: handle_validation,
     NotFoundException: handle_not_found,

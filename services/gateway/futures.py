@@ -68,6 +68,11 @@ class FutureBoard:
             if not waiter.done():
                 waiter.set_result(result)
 
+    @property
+    def waiting(self) -> int:
+        """How many retrieve_future long-polls are held right now."""
+        return sum(len(waiters) for waiters in self._waiters.values())
+
     def peek(self, request_id: str) -> RequestResult | None:
         return self._cache.get(request_id)
 

@@ -6,6 +6,7 @@ replicas agree on identities without a lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -15,6 +16,7 @@ from infra.bus import Bus
 from libs.contracts import codec
 
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class Store:
@@ -62,3 +64,39 @@ class Store:
             return list(await kv.keys())
         except nats.js.errors.NoKeysError:
             return []
+
+    async def scan(self, bucket: str, type_: type[T], prefix: str = "") -> list[tuple[str, T]]:
+        """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass."""
+        kv = await self._bus.kv(bucket)
+        watcher = await kv.watchall(ignore_deletes=True)
+        found: dict[str, T] = {}
+        try:
+            async for entry in watcher:
+                if entry is None:  # the marker after the initial values
+                    break
+                if entry.key.startswith(prefix) and entry.value:
+                    found[entry.key] = codec.from_json(entry.value, type_)
+        finally:
+            await watcher.stop()
+        return list(found.items())
+
+    async def update(
+        self, bucket: str, key: str, type_: type[S], change: Callable[[S], S | None]
+    ) -> S | None:
+        """Read-modify-write with compare-and-set; None when the key is absent (or `change` says so)."""
+        kv = await self._bus.kv(bucket)
+        while True:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+            if entry.value is None:
+                return None
+            changed = change(codec.from_json(entry.value, type_))
+            if changed is None:
+                return None
+            try:
+                await kv.update(key, codec.to_json(changed), last=entry.revision)
+                return changed
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -26,7 +27,7 @@ from libs.contracts.records import ModelRecord, SeqClaim
 from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, NotFound, TinkerError
+from services.gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
 
 _background: set[asyncio.Task[None]] = set()
 
@@ -87,6 +88,7 @@ async def append(
     request_id = request_id_for(model_id, seq_id)
     key = s.seq_key(model_id, seq_id)
     existing = await gateway.store.get(s.KV_SEQ, key, SeqClaim)
+    fresh = False  # this call made the claim (a retry finds it already made)
     if existing is None:
         gateway.admission.check_training(tenant.id, model_id, seq_id)
         claim = SeqClaim(
@@ -100,7 +102,7 @@ async def append(
         )
         created, existing = await gateway.store.create(s.KV_SEQ, key, claim, SeqClaim)
         if created:
-            existing = claim
+            existing, fresh = claim, True
     assert existing is not None
     if existing.fingerprint != digest:
         raise Conflict(
@@ -120,13 +122,18 @@ async def append(
         to_append = Rejected(kind=kind, error=existing.error, model_id=model_id, seq_id=seq_id, **envelope)  # type: ignore[arg-type]
     else:
         to_append = msgspec.structs.replace(command, **envelope)
-    await gateway.bus.publish(
-        s.request_subject(model_id),
-        codec.pack(to_append),
-        msg_id=request_id,
-        traceparent=traceparent,
-    )
+    if fresh and existing.error is None:  # counted before the append: the result may beat the ack
+        gateway.admission.admitted(tenant.id, model_id, seq_id, request_id)
+    try:
+        await gateway.bus.publish(
+            s.request_subject(model_id), codec.pack(to_append), msg_id=request_id, traceparent=traceparent
+        )
+    except BaseException:
+        if fresh:
+            gateway.admission.finished(tenant.id, model_id, request_id)
+        raise
     if existing.error is not None:
+        gateway.metrics.rejected[kind] += fresh
         _emit(
             gateway,
             RequestRejected(
@@ -140,9 +147,9 @@ async def append(
                 at_ns=now_ns(),
             ),
         )
-        raise (refused or BadRequest(existing.error or "request refused"))
+        raise (refused or error_for(existing.status, existing.error))
     assert command is not None
-    gateway.admission.admitted(tenant.id, model_id, seq_id, request_id)
+    gateway.metrics.accepted[kind] += fresh
     datums = len(command.data) if isinstance(command, ForwardBackward) else 0
     tokens = sum(d.num_tokens for d in command.data) if isinstance(command, ForwardBackward) else 0
     _emit(
@@ -161,8 +168,34 @@ async def append(
     return request_id
 
 
+def error_for(status: int, message: str) -> TinkerError:
+    """The error a claim was refused with, for a retry that reaches the claim without re-validating."""
+    for cls in (BadRequest, NotFound, PayloadTooLarge, Conflict):
+        if cls.status == status:
+            return cls(message)
+    return BadRequest(message)
+
+
 def _emit(gateway: Gateway, event: RequestAccepted | RequestRejected) -> None:
     """Operation events are off the request's critical path."""
     task = asyncio.create_task(gateway.bus.emit(event))
     _background.add(task)
     task.add_done_callback(_background.discard)
+
+
+async def sequenced(
+    gateway: Gateway,
+    tenant: Tenant,
+    model_id: str,
+    seq_id: int,
+    kind: str,
+    digest: str,
+    build: Callable[[], Awaitable[ModelCommand]],
+) -> str:
+    """Build the command, then append it; a refusal while building still consumes the seq_id."""
+    try:
+        command = await build()
+    except TinkerError as refused:
+        await append(gateway, tenant, model_id, seq_id, kind, digest, None, refused)
+        raise
+    return await append(gateway, tenant, model_id, seq_id, kind, digest, command)

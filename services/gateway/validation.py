@@ -40,11 +40,15 @@ def check_count(num_datums: int, limits: Limits) -> None:
         )
 
 
-def check_body_size(size: int, limits: Limits) -> None:
-    if size > limits.config.max_request_bytes:
-        raise PayloadTooLarge(
-            f"request body is {size} bytes; the limit is {limits.config.max_request_bytes} (max_request_bytes)"
-        )
+JSON_INFLATION = 4
+"""JSON bodies (SDKs <= 0.24) spell every number out: they get this many times the protobuf limit."""
+
+
+def check_body_size(size: int, limits: Limits, json: bool = False) -> None:
+    limit = limits.config.max_request_bytes * (JSON_INFLATION if json else 1)
+    if size > limit:
+        form = f"{JSON_INFLATION} x max_request_bytes for JSON bodies" if json else "max_request_bytes"
+        raise PayloadTooLarge(f"request body is {size} bytes; the limit is {limit} ({form})")
 
 
 def _tokens_in_vocab(name: str, tokens: np.ndarray, vocab: int) -> None:

@@ -33,7 +33,7 @@ def teach(base_url: str, tenant: int, out: dict[int, dict[str, object]]) -> None
     weights[len(prompt_tokens) - 1 :] = 1.0  # learn only the completion
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": weights},
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.array(tokens[1:])), "weights": types.TensorData.from_numpy(weights)},
     )
     losses = []
     for _ in range(STEPS):

@@ -15,7 +15,7 @@ def test_save_for_sampler_is_one_trace_across_every_service(stack: Stack) -> Non
     tokens = [5, 6, 7, 8, 9]
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64), "weights": np.ones(4, dtype=np.float32)},
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)), "weights": types.TensorData.from_numpy(np.ones(4, dtype=np.float32))},
     )
     trainer.forward_backward([datum], "cross_entropy").result()
     saved = trainer.save_weights_for_sampler("traced").result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 
+import msgspec
 from litestar import Request, Response, get, post
 
 from libs.contracts import subjects as s
@@ -13,6 +14,7 @@ from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
 from libs.contracts.records import SessionRecord, TrainerStatus
 from services.gateway.auth import Tenant
+from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway
 from services.gateway.errors import NotFound
 
@@ -31,9 +33,24 @@ CLIENT_CONFIG = w.ClientConfigResponse(
 )
 
 
+PROTO_OVERHEAD_PER_DATUM = 256
+"""Protobuf framing the SDK's chunk-size estimate leaves out (tags, lengths, shapes, map keys)."""
+
+
+def client_config_for(config: GatewayConfig) -> w.ClientConfigResponse:
+    """The SDK chunks forward_backward by these, so every chunk it sends fits the gateway's limits."""
+    framing = PROTO_OVERHEAD_PER_DATUM * config.max_datums_per_request
+    return msgspec.structs.replace(
+        CLIENT_CONFIG,
+        fwdbwd_max_chunk_len=config.max_datums_per_request,
+        fwdbwd_max_chunk_bytes_count=max(1, config.max_request_bytes - framing),
+        sample_max_concurrent_requests=max(1, config.sampling_capacity),
+    )
+
+
 @post("/api/v1/client/config", status_code=200, operation_id="client_config")
-async def client_config(tenant: Tenant) -> w.ClientConfigResponse:
-    return CLIENT_CONFIG
+async def client_config(gateway: Gateway, tenant: Tenant) -> w.ClientConfigResponse:
+    return client_config_for(gateway.config)
 
 
 @post("/api/v1/client/dynamic_config", status_code=200, operation_id="client_dynamic_config")

@@ -11,7 +11,7 @@ from litestar import Request, Response, post
 from libs.contracts import subjects as s
 from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
-from libs.contracts.records import ModelRecord, SamplerRecord, SeqClaim
+from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import Gone, NotFound
@@ -52,6 +52,15 @@ async def retrieve_future(
             if age_s > gateway.config.result_retention_s:
                 raise Gone(
                     f"the result of {data.request_id} expired after {gateway.config.result_retention_s:.0f}s; it is not run again"
+                )
+            queued = await gateway.store.get(s.KV_QUEUE, s.token(data.request_id), QueueRecord)
+            if queued is not None and queued.queue_state in ("paused_capacity", "paused_rate_limit"):
+                return Response(
+                    w.TryAgainResponse(
+                        request_id=data.request_id,
+                        queue_state=queued.queue_state,  # type: ignore[arg-type]
+                        queue_state_reason=queued.reason or None,
+                    )
                 )
             return Response(w.TryAgainResponse(request_id=data.request_id, queue_state="active"))
     if result.tenant != tenant.id:

@@ -118,14 +118,8 @@ def _stop_params(stop: object) -> dict[str, Any]:
     return {"stop": [str(x) for x in stop]}  # type: ignore[attr-defined]
 
 
-@post("/api/v1/asample", status_code=200, operation_id="asample")
-async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
-    if data.sampling_session_id is None:
-        raise BadRequest("sampling_session_id is required")
-    sampler = await owned_sampler(gateway, tenant, data.sampling_session_id)
-    seq = data.seq_id if data.seq_id is not None else 0
-    if seq < 0:
-        raise BadRequest(f"seq_id must be >= 0, got {seq}")
+def _checked_prompt(data: w.SampleRequest, gateway: Gateway) -> tuple[np.ndarray, int]:
+    """(prompt token ids, max_tokens), or a 400 naming what is wrong."""
     try:
         prompt = np.asarray(data.prompt.token_ids(), dtype=np.int64)
     except ValueError as exc:
@@ -135,54 +129,100 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
         raise BadRequest("prompt has no tokens")
     if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
         raise BadRequest(f"prompt contains a token id outside [0, {vocab})")
-    if not 1 <= data.num_samples <= gateway.config.max_num_samples:
-        raise BadRequest(
-            f"num_samples must be in [1, {gateway.config.max_num_samples}], got {data.num_samples}"
-        )
-    params = data.sampling_params
-    max_tokens = params.max_tokens if params.max_tokens is not None else context - int(prompt.size)
+    most = min(
+        gateway.config.max_num_samples, gateway.config.sampling_capacity
+    )  # more could never be admitted
+    if not 1 <= data.num_samples <= most:
+        raise BadRequest(f"num_samples must be in [1, {most}], got {data.num_samples}")
+    max_tokens = data.sampling_params.max_tokens
+    max_tokens = max_tokens if max_tokens is not None else context - int(prompt.size)
     if max_tokens < 1 or prompt.size + max_tokens > context:
         raise BadRequest(
             f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the context length {context}"
         )
-    request_id = f"{sampler.sampler_id}:{seq}"
-    sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
+    return prompt, max_tokens
+
+
+def _engine_body(data: w.SampleRequest, prompt: np.ndarray, max_tokens: int) -> dict[str, Any]:
+    params = data.sampling_params
+    return {
+        "input_ids": prompt.tolist(),
+        "sampling_params": {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_new_tokens": max_tokens,
+            "n": data.num_samples,
+            **({"sampling_seed": params.seed} if params.seed is not None else {}),
+            **_stop_params(params.stop),
+        },
+        "return_logprob": True,
+        "logprob_start_len": 0 if (data.prompt_logprobs or data.topk_prompt_logprobs) else -1,
+        "top_logprobs_num": max(data.topk_prompt_logprobs, data.topk_sample_logprobs),
+    }
+
+
+async def _claim(
+    gateway: Gateway, tenant: Tenant, key: str, request_id: str, digest: str, permits: int
+) -> tuple[bool, SeqClaim]:
+    """Claim (sampler, seq_id) with `permits` sampling permits: 429 before anything is claimed.
+
+    Returns (created, the claim now stored). A new claim keeps its permits (the run releases
+    them); a claim a concurrent retry made first gives them back.
+    """
+    gateway.admission.acquire_sampling(permits)
+    claim = SeqClaim(
+        request_id=request_id, fingerprint=digest, kind="sample", tenant=tenant.id, accepted_ns=now_ns()
+    )
+    try:
+        created, stored = await gateway.store.create(s.KV_SAMPLE_SEQ, key, claim, SeqClaim)
+    except BaseException:
+        gateway.admission.release_sampling(permits)
+        raise
+    if not created:
+        gateway.admission.release_sampling(permits)
+    return created, stored
+
+
+def _start(
+    gateway: Gateway,
+    tenant: Tenant,
+    sampler: SamplerRecord,
+    seq: int,
+    data: w.SampleRequest,
+    prompt: np.ndarray,
+    max_tokens: int,
+) -> None:
+    gateway.metrics.accepted["sample"] += 1
+    body = _engine_body(data, prompt, max_tokens)
+    task = asyncio.create_task(
+        _run(gateway, tenant, sampler, f"{sampler.sampler_id}:{seq}", seq, body, data, int(prompt.size))
+    )
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+@post("/api/v1/asample", status_code=200, operation_id="asample")
+async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    if data.sampling_session_id is None:
+        raise BadRequest("sampling_session_id is required")
+    sampler = await owned_sampler(gateway, tenant, data.sampling_session_id)
+    seq = data.seq_id if data.seq_id is not None else 0
+    if seq < 0:
+        raise BadRequest(f"seq_id must be >= 0, got {seq}")
+    prompt, max_tokens = _checked_prompt(data, gateway)
+    request_id, key = f"{sampler.sampler_id}:{seq}", s.sample_seq_key(sampler.sampler_id, seq)
     digest = fingerprint_json("sample", msgspec.to_builtins(data))
-    key = s.sample_seq_key(sampler.sampler_id, seq)
     existing = await gateway.store.get(s.KV_SAMPLE_SEQ, key, SeqClaim)
     if existing is None:
-        gateway.admission.acquire_sampling(data.num_samples)  # 429 before the identity is consumed
-        claim = SeqClaim(
-            request_id=request_id, fingerprint=digest, kind="sample", tenant=tenant.id, accepted_ns=now_ns()
-        )
-        created, existing = await gateway.store.create(s.KV_SAMPLE_SEQ, key, claim, SeqClaim)
+        created, existing = await _claim(gateway, tenant, key, request_id, digest, data.num_samples)
         if created:
-            body = {
-                "input_ids": prompt.tolist(),
-                "sampling_params": {
-                    "temperature": params.temperature,
-                    "top_p": params.top_p,
-                    "top_k": params.top_k,
-                    "max_new_tokens": max_tokens,
-                    "n": data.num_samples,
-                    **({"sampling_seed": params.seed} if params.seed is not None else {}),
-                    **_stop_params(params.stop),
-                },
-                "return_logprob": True,
-                "logprob_start_len": 0 if (data.prompt_logprobs or data.topk_prompt_logprobs) else -1,
-                "top_logprobs_num": max(data.topk_prompt_logprobs, data.topk_sample_logprobs),
-            }
-            task = asyncio.create_task(
-                _run(gateway, tenant, sampler, request_id, seq, body, data, int(prompt.size))
-            )
-            _tasks.add(task)
-            task.add_done_callback(_tasks.discard)
-        else:
-            gateway.admission.release_sampling(data.num_samples)
-    if existing is None or existing.fingerprint != digest:
+            _start(gateway, tenant, sampler, seq, data, prompt, max_tokens)
+    if existing.fingerprint != digest:
         raise Conflict(
             f"seq_id {seq} of sampler {sampler.sampler_id} was already used for a different sample request"
         )
+    sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
     return w.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
 
 

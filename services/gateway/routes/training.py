@@ -16,18 +16,14 @@ from libs.contracts import subjects as s
 from libs.contracts import tinker_proto as tp
 from libs.contracts import tinker_wire as w
 from libs.contracts.common import AdamSpec, LoraSpec, now_ns
-from libs.contracts.records import ModelRecord, SamplerRecord
+from libs.contracts.records import ModelRecord
 from libs.contracts.requests import (
     CheckpointRef,
     CreateModel,
     ForwardBackward,
-    LoadWeights,
     OptimStep,
-    SaveForSampler,
-    SaveWeights,
 )
 from services.gateway.auth import Tenant
-from services.gateway.catalog import check_name, resolve_checkpoint
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict, NotImplementedYet, TinkerError
 from services.gateway.routes.bootstrap import owned_session
@@ -57,7 +53,6 @@ async def _create(
     tenant: Tenant,
     session_id: str,
     model_seq_id: int,
-    base_model: str,
     lora: LoraSpec,
     digest: str,
     user_metadata: dict[str, object] | None,
@@ -123,7 +118,6 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
         tenant,
         data.session_id,
         data.model_seq_id,
-        data.base_model,
         spec,
         digest,
         data.user_metadata,
@@ -151,16 +145,18 @@ async def _forward_backward(
     seq_id: int | None,
     digest: str,
     build: object,
+    kind: str = "forward_backward",
 ) -> w.UntypedAPIFuture:
+    """`kind` "forward" for forward-only passes: a refused one never poisons a gradient window."""
     await owned_model(gateway, tenant, model_id)
     seq = check_seq(seq_id)
     try:
         command = build() if callable(build) else None
     except TinkerError as refused:
-        await append(gateway, tenant, model_id, seq, "forward_backward", digest, None, refused)
+        await append(gateway, tenant, model_id, seq, kind, digest, None, refused)
         raise
     assert isinstance(command, ForwardBackward)
-    request_id = await append(gateway, tenant, model_id, seq, "forward_backward", digest, command)
+    request_id = await append(gateway, tenant, model_id, seq, kind, digest, command)
     return _future(request_id, model_id)
 
 
@@ -174,8 +170,9 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
             )
         except zstandard.ZstdError as exc:
             raise BadRequest(f"body is not valid zstd: {exc}") from exc
-    check_body_size(len(body), limits(gateway))
-    if PROTOBUF in request.headers.get("content-type", ""):
+    is_proto = PROTOBUF in request.headers.get("content-type", "")
+    check_body_size(len(body), limits(gateway), json=not is_proto)
+    if is_proto:
         try:
             req = tp.decode_forward_backward_request(body)
             config = tp.loss_config(req)
@@ -195,7 +192,8 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
             )
 
         digest = fingerprint_bytes("forward_backward", body)
-        return await _forward_backward(gateway, tenant, req.model_id, req.seq_id, digest, build_proto)
+        kind = "forward" if req.forward_only else "forward_backward"
+        return await _forward_backward(gateway, tenant, req.model_id, req.seq_id, digest, build_proto, kind)
     legacy = msgspec.json.decode(body, type=w.LegacyForwardBackwardRequest)
     return await _legacy(
         gateway, tenant, legacy.model_id, legacy.seq_id, legacy.forward_backward_input, body, False
@@ -225,15 +223,16 @@ async def _legacy(
             data=datums,
         )
 
-    digest = fingerprint_bytes("forward" if forward_only else "forward_backward", body)
-    return await _forward_backward(gateway, tenant, model_id, seq_id, digest, build_json)
+    kind = "forward" if forward_only else "forward_backward"
+    digest = fingerprint_bytes(kind, body)
+    return await _forward_backward(gateway, tenant, model_id, seq_id, digest, build_json, kind)
 
 
 @post("/api/v1/forward", status_code=200, operation_id="forward")
 async def forward(request: Request, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:  # type: ignore[type-arg]
     """SDKs up to 0.24 send forward-only passes here as JSON."""
     body = await request.body()
-    check_body_size(len(body), limits(gateway))
+    check_body_size(len(body), limits(gateway), json=True)
     legacy = msgspec.json.decode(body, type=w.LegacyForwardRequest)
     return await _legacy(gateway, tenant, legacy.model_id, legacy.seq_id, legacy.forward_input, body, True)
 
@@ -261,110 +260,6 @@ async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant)
     )
 
 
-@post("/api/v1/save_weights", status_code=200, operation_id="save_weights")
-async def save_weights(data: w.SaveWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
-    await owned_model(gateway, tenant, data.model_id)
-    seq = check_seq(data.seq_id)
-    digest = fingerprint_json("save_weights", msgspec.to_builtins(data))
-    try:
-        name = check_name(data.path, "path")
-    except BadRequest as refused:
-        await append(gateway, tenant, data.model_id, seq, "save_weights", digest, None, refused)
-        raise
-    command = SaveWeights(
-        model_id=data.model_id,
-        seq_id=seq,
-        name=name,
-        ttl_s=data.ttl_seconds,
-        user_metadata=data.user_metadata,
-    )
-    return _future(
-        await append(gateway, tenant, data.model_id, seq, "save_weights", digest, command), data.model_id
-    )
-
-
-@post("/api/v1/save_weights_for_sampler", status_code=200, operation_id="save_weights_for_sampler")
-async def save_weights_for_sampler(
-    data: w.SaveWeightsForSamplerRequest, gateway: Gateway, tenant: Tenant
-) -> w.UntypedAPIFuture:
-    record = await owned_model(gateway, tenant, data.model_id)
-    seq = check_seq(data.seq_id)
-    digest = fingerprint_json(
-        "save_weights_for_sampler", msgspec.to_builtins(data), exclude=("sampling_session_seq_id",)
-    )
-    sampler_id: str | None = None
-    try:
-        name = check_name(data.path, "path") if data.path else None
-        if name is None:
-            if data.sampling_session_seq_id is None:
-                raise BadRequest(
-                    "save_weights_for_sampler needs a path (named) or sampling_session_seq_id (ephemeral)"
-                )
-            sampler_id = f"{record.session_id}:sample:{data.sampling_session_seq_id}"
-    except BadRequest as refused:
-        await append(gateway, tenant, data.model_id, seq, "save_weights_for_sampler", digest, None, refused)
-        raise
-    command = SaveForSampler(
-        model_id=data.model_id, seq_id=seq, name=name, sampling_session_id=sampler_id, ttl_s=data.ttl_seconds
-    )
-    request_id = await append(
-        gateway, tenant, data.model_id, seq, "save_weights_for_sampler", digest, command
-    )
-    if sampler_id is not None:
-        sampler = SamplerRecord(
-            sampler_id=sampler_id,
-            tenant=tenant.id,
-            session_id=record.session_id,
-            base_model=gateway.model.name,
-            pending_request_id=request_id,
-            created_ns=now_ns(),
-        )
-        await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), sampler, SamplerRecord)
-    return _future(request_id, data.model_id)
-
-
-@post("/api/v1/load_weights", status_code=200, operation_id="load_weights")
-async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
-    if data.session_id is not None and data.model_seq_id is not None:  # create mode
-        checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
-        ref = CheckpointRef(
-            tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer
-        )
-        digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
-        return await _create(
-            gateway,
-            tenant,
-            data.session_id,
-            data.model_seq_id,
-            checkpoint.base_model,
-            checkpoint.lora,
-            digest,
-            data.user_metadata,
-            ref,
-        )
-    if data.model_id is None:
-        raise BadRequest(
-            "load_weights needs session_id and model_seq_id (create mode) or model_id and seq_id"
-        )
-    record = await owned_model(gateway, tenant, data.model_id)
-    seq = check_seq(data.seq_id)
-    digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
-    try:
-        checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
-        if checkpoint.lora.rank != record.lora.rank:
-            raise BadRequest(
-                f"checkpoint {data.path} has LoRA rank {checkpoint.lora.rank}; model {data.model_id} has rank {record.lora.rank}"
-            )
-    except TinkerError as refused:
-        await append(gateway, tenant, data.model_id, seq, "load_weights", digest, None, refused)
-        raise
-    ref = CheckpointRef(tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer)
-    command = LoadWeights(model_id=data.model_id, seq_id=seq, restore=ref)
-    return _future(
-        await append(gateway, tenant, data.model_id, seq, "load_weights", digest, command), data.model_id
-    )
-
-
 @post("/api/v1/unload_model", status_code=200, operation_id="unload_model")
 async def unload_model(data: w.UnloadModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
     """Never public in the SDK; frees the model's adapter slot. Sequenced after everything queued."""
@@ -378,8 +273,5 @@ ROUTES = [
     forward_backward,
     forward,
     optim_step,
-    save_weights,
-    save_weights_for_sampler,
-    load_weights,
     unload_model,
 ]

@@ -1,0 +1,157 @@
+"""Weights endpoints: save_weights (save_state), save_weights_for_sampler, save_weights_external and
+load_weights (create mode and legacy mode).
+
+Each is one sequenced command on the model's stream (see `submit.sequenced`); the trainer writes
+the files and the publisher registers the checkpoint and answers the future.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import post
+
+from libs.contracts import subjects as s
+from libs.contracts import tinker_wire as w
+from libs.contracts.common import LoraSpec, now_ns
+from libs.contracts.records import ModelRecord, SamplerRecord
+from libs.contracts.requests import CheckpointRef, LoadWeights, SaveForSampler, SaveWeights
+from services.gateway.auth import Tenant
+from services.gateway.catalog import check_name, resolve_checkpoint
+from services.gateway.context import Gateway
+from services.gateway.errors import BadRequest
+from services.gateway.routes.training import _create
+from services.gateway.submit import check_seq, fingerprint_json, owned_model, sequenced
+
+
+def check_ttl(ttl_seconds: int | None) -> int | None:
+    if ttl_seconds is not None and ttl_seconds <= 0:
+        raise BadRequest(f"ttl_seconds must be > 0 (or null for no expiry), got {ttl_seconds}")
+    return ttl_seconds
+
+
+def _future(request_id: str, model_id: str) -> w.UntypedAPIFuture:
+    return w.UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+
+@post("/api/v1/save_weights", status_code=200, operation_id="save_weights")
+async def save_weights(data: w.SaveWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+
+    async def build() -> SaveWeights:
+        name, ttl = check_name(data.path, "path"), check_ttl(data.ttl_seconds)
+        return SaveWeights(
+            model_id=data.model_id, seq_id=seq, name=name, ttl_s=ttl, user_metadata=data.user_metadata
+        )
+
+    digest = fingerprint_json("save_weights", msgspec.to_builtins(data))
+    request_id = await sequenced(gateway, tenant, data.model_id, seq, "save_weights", digest, build)
+    return _future(request_id, data.model_id)
+
+
+@post("/api/v1/save_weights_for_sampler", status_code=200, operation_id="save_weights_for_sampler")
+async def save_weights_for_sampler(
+    data: w.SaveWeightsForSamplerRequest, gateway: Gateway, tenant: Tenant
+) -> w.UntypedAPIFuture:
+    model = await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+    sampler_id: str | None = None
+
+    async def build() -> SaveForSampler:
+        nonlocal sampler_id
+        name, ttl = (check_name(data.path, "path") if data.path else None), check_ttl(data.ttl_seconds)
+        if name is None:
+            sampler_id = await register_sampler(gateway, tenant, model, seq, data.sampling_session_seq_id)
+        return SaveForSampler(
+            model_id=data.model_id, seq_id=seq, name=name, sampling_session_id=sampler_id, ttl_s=ttl
+        )
+
+    # The SDK draws a new sampling_session_seq_id on every attempt: it is not part of the identity.
+    digest = fingerprint_json(
+        "save_weights_for_sampler", msgspec.to_builtins(data), ("sampling_session_seq_id",)
+    )
+    request_id = await sequenced(
+        gateway, tenant, data.model_id, seq, "save_weights_for_sampler", digest, build
+    )
+    return _future(request_id, data.model_id)
+
+
+async def register_sampler(
+    gateway: Gateway, tenant: Tenant, model: ModelRecord, seq: int, sampling_seq: int | None
+) -> str:
+    """The sampler an ephemeral snapshot is for, registered before the save can possibly complete
+    (the publisher fills in its adapter when the snapshot is written)."""
+    if sampling_seq is None:
+        raise BadRequest(
+            "save_weights_for_sampler needs a path (named) or sampling_session_seq_id (ephemeral)"
+        )
+    sampler_id = f"{model.session_id}:sample:{sampling_seq}"
+    record = SamplerRecord(
+        sampler_id=sampler_id,
+        tenant=tenant.id,
+        session_id=model.session_id,
+        base_model=gateway.model.name,
+        pending_request_id=f"{model.model_id}:{seq}",
+        created_ns=now_ns(),
+    )
+    await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
+    return sampler_id
+
+
+@post("/api/v1/save_weights_external", status_code=200, operation_id="save_weights_external")
+async def save_weights_external(
+    data: w.SaveWeightsExternalRequest, gateway: Gateway, tenant: Tenant
+) -> w.UntypedAPIFuture:
+    """A PEFT export under `tinker://RUN/external_weights/NAME`, downloadable through signed URLs."""
+    await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+
+    async def build() -> SaveForSampler:
+        name, ttl = check_name(data.path, "path"), check_ttl(data.ttl_seconds)
+        if data.age_encryption_recipients:
+            raise BadRequest("age_encryption_recipients: encrypted exports are not offered by this server")
+        return SaveForSampler(model_id=data.model_id, seq_id=seq, name=name, ttl_s=ttl, external=True)
+
+    digest = fingerprint_json("save_weights_external", msgspec.to_builtins(data))
+    request_id = await sequenced(gateway, tenant, data.model_id, seq, "save_weights_external", digest, build)
+    return _future(request_id, data.model_id)
+
+
+async def _restore_ref(
+    gateway: Gateway, tenant: Tenant, data: w.LoadWeightsRequest
+) -> tuple[CheckpointRef, LoraSpec]:
+    checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
+    ref = CheckpointRef(tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer)
+    return ref, checkpoint.lora
+
+
+@post("/api/v1/load_weights", status_code=200, operation_id="load_weights")
+async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
+    """Create mode (session_id + model_seq_id: a new model from the checkpoint, as
+    create_training_client_from_state sends it) or legacy mode (model_id + seq_id: load_state)."""
+    digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
+    if data.session_id is not None and data.model_seq_id is not None:
+        ref, lora = await _restore_ref(gateway, tenant, data)
+        return await _create(
+            gateway, tenant, data.session_id, data.model_seq_id, lora, digest, data.user_metadata, ref
+        )
+    if data.model_id is None:
+        raise BadRequest(
+            "load_weights needs session_id and model_seq_id (create mode) or model_id and seq_id"
+        )
+    model = await owned_model(gateway, tenant, data.model_id)
+    seq = check_seq(data.seq_id)
+
+    async def build() -> LoadWeights:
+        ref, lora = await _restore_ref(gateway, tenant, data)
+        if lora.rank != model.lora.rank:
+            raise BadRequest(
+                f"checkpoint {data.path} has LoRA rank {lora.rank}; model {model.model_id} has rank {model.lora.rank}"
+            )
+        return LoadWeights(model_id=model.model_id, seq_id=seq, restore=ref)
+
+    request_id = await sequenced(gateway, tenant, model.model_id, seq, "load_weights", digest, build)
+    return _future(request_id, model.model_id)
+
+
+ROUTES = [save_weights, save_weights_for_sampler, save_weights_external, load_weights]
