@@ -22,6 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop
+from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -118,6 +119,7 @@ class PublisherService:
             await asyncio.to_thread(
                 layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
             )
+            crash_point("publisher.version_written")  # fault tests: die between the two atomic steps
             await asyncio.to_thread(
                 layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
             )
