@@ -75,6 +75,14 @@ def stream_configs(r: Retention) -> list[StreamConfig]:
             allow_direct=True,
         ),
         StreamConfig(
+            name=s.STREAM_SAMPLES,
+            subjects=[s.SAMPLES_ALL],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=r.results_s,
+            duplicate_window=r.dedupe_window_s,
+        ),
+        StreamConfig(
             name=s.STREAM_EVENTS,
             subjects=[s.EVENTS_ALL],
             retention=RetentionPolicy.LIMITS,

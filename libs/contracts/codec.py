@@ -14,6 +14,7 @@ from libs.contracts.events import OperationEvent
 from libs.contracts.outcomes import Outcome
 from libs.contracts.requests import ModelCommand
 from libs.contracts.results import RequestResult
+from libs.contracts.sampling import SampleJob
 from libs.contracts.snapshots import PublishSnapshot
 from libs.contracts.work import Unit
 
@@ -28,6 +29,7 @@ outcome_decoder = msgspec.msgpack.Decoder(Outcome)
 result_decoder = msgspec.msgpack.Decoder(RequestResult)
 event_decoder = msgspec.json.Decoder(OperationEvent)
 publish_decoder = msgspec.msgpack.Decoder(PublishSnapshot)
+sample_job_decoder = msgspec.msgpack.Decoder(SampleJob)
 
 
 def pack(message: Any) -> bytes:

@@ -21,6 +21,8 @@ STREAM_PUBLISH = "TINKER_PUBLISH"
 """Snapshot publication commands (trainer -> publisher)."""
 STREAM_RESULTS = "TINKER_RESULTS"
 """The final result of every future, keyed by request id; the gateway's futures projection."""
+STREAM_SAMPLES = "TINKER_SAMPLES"
+"""Accepted sample requests waiting for a gateway replica to run them (a work queue)."""
 STREAM_EVENTS = "TINKER_EVENTS"
 """Operation events for humans and dashboards (`tinkerd events`, `nats sub 'tinker.events.>'`)."""
 
@@ -30,12 +32,15 @@ WORK_ALL = "tinker.work.>"
 OUTCOMES_ALL = "tinker.outcome.>"
 PUBLISH_ALL = "tinker.publish.>"
 RESULTS_ALL = "tinker.result.>"
+SAMPLES_ALL = "tinker.sample.>"
 EVENTS_ALL = "tinker.events.>"
 
 # --- durable consumers ---------------------------------------------------------------------------
 DURABLE_PLANNER_REQUESTS = "planner-requests"
 DURABLE_PLANNER_OUTCOMES = "planner-outcomes"
 DURABLE_PUBLISHER = "publisher"
+DURABLE_SAMPLE_RUNNERS = "gateway-samplers"
+"""Shared by every gateway replica: whichever is free runs the next sample; a dead one's job is redelivered."""
 
 
 def durable_trainer(group: str) -> str:
@@ -99,6 +104,10 @@ def publish_subject(model_id: str) -> str:
 
 def result_subject(request_id: str) -> str:
     return f"tinker.result.{token(request_id)}"
+
+
+def sample_subject(sampler_id: str) -> str:
+    return f"tinker.sample.{token(sampler_id)}"
 
 
 def event_subject(kind: str, model_id: str | None) -> str:

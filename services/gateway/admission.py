@@ -19,6 +19,7 @@ class Admission:
         self.per_tenant: dict[str, set[str]] = defaultdict(set)
         self.highest_seq: dict[str, int] = {}
         self.sampling_in_use = 0
+        self.sampling_held: dict[str, int] = {}  # request id -> permits, released by its result
 
     def check_training(self, tenant: str, model_id: str, seq_id: int) -> None:
         """Refuse when the model's queue or the tenant's in-flight set is full.
@@ -48,6 +49,8 @@ class Admission:
 
     def finished(self, tenant: str, model_id: str, request_id: str) -> None:
         """Called for every result on the stream (see `Gateway.on_result`), so unknown ids are common."""
+        if (held := self.sampling_held.pop(request_id, None)) is not None:
+            self.release_sampling(held)
         for table, key in ((self.per_model, model_id), (self.per_tenant, tenant)):
             pending = table.get(key)
             if pending is not None:
@@ -66,6 +69,10 @@ class Admission:
                 "sub-generations in flight); retry shortly"
             )
         self.sampling_in_use += num_samples
+
+    def hold_sampling(self, request_id: str, num_samples: int) -> None:
+        """Permits acquired for an accepted sample stay held until its result is appended."""
+        self.sampling_held[request_id] = num_samples
 
     def release_sampling(self, num_samples: int) -> None:
         self.sampling_in_use = max(0, self.sampling_in_use - num_samples)

@@ -74,10 +74,16 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
+            from services.gateway.sample_runner import SampleRunner  # it needs Gateway from here
+
+            runner = SampleRunner(gateway)
+            await runner.start()
             app.state.gateway = gateway
             log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, model.name)
             yield
         finally:
+            if "runner" in locals():
+                await runner.close()
             if hasattr(app.state, "gateway"):
                 await app.state.gateway.board.stop()
             await bus.close()

@@ -85,6 +85,14 @@ def test_gateway_killed(tmp_path: Path) -> None:
     scenario(tmp_path, kill_and_wait("gateway"), kind="accepted", n=6)
 
 
+def test_gateway_killed_mid_sample(tmp_path: Path) -> None:
+    """A gateway dies (SIGKILL) holding a sample job: another run of the job answers the same future."""
+    marker = tmp_path / "fault-fired"
+    env = {"TINKERD_FAULT_POINT": "gateway.sample_started", "TINKERD_FAULT_MARKER": str(marker)}
+    scenario(tmp_path / "stack", None, env=env)
+    assert marker.exists(), "the gateway never reached its fault point"
+
+
 def test_publisher_killed_mid_write(tmp_path: Path) -> None:
     """The publisher dies (SIGKILL) after writing a version directory, before switching the name."""
     marker = tmp_path / "fault-fired"

@@ -1,28 +1,27 @@
 """Sampling: create_sampling_session, GET samplers/{id}, asample, join_sampling_session.
 
-Sampling never enters the training path: the gateway sends `/generate` straight to an
-SGLang-compatible engine and appends the result to the results stream, where any replica's
-`retrieve_future` finds it. Retries are deduplicated by (sampling_session_id, seq_id).
+Sampling never enters the training path. An accepted asample is claimed by
+(sampling_session_id, seq_id) — retries get the same future — and appended to the sample work queue;
+a gateway replica's `SampleRunner` sends `/generate` to an SGLang-compatible engine and appends the
+result to the results stream, where any replica's `retrieve_future` finds it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-import httpx
 import msgspec
 import numpy as np
 from litestar import get, post
 
+from infra import tracing
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
-from libs.contracts.results import Failure, RequestResult, ResultBody
-from services.gateway import sglang
+from libs.contracts.sampling import SampleJob
 from services.gateway.auth import Tenant
 from services.gateway.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
@@ -31,17 +30,6 @@ from services.gateway.routes.bootstrap import owned_session
 from services.gateway.submit import fingerprint_json
 
 log = logging.getLogger("tinkerd.gateway.sampling")
-_tasks: set[asyncio.Task[None]] = set()
-_client: httpx.AsyncClient | None = None
-
-
-def client() -> httpx.AsyncClient:
-    global _client
-    if _client is None:
-        _client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
-        )
-    return _client
 
 
 async def owned_sampler(gateway: Gateway, tenant: Tenant, sampler_id: str) -> SamplerRecord:
@@ -167,8 +155,8 @@ async def _claim(
 ) -> tuple[bool, SeqClaim]:
     """Claim (sampler, seq_id) with `permits` sampling permits: 429 before anything is claimed.
 
-    Returns (created, the claim now stored). A new claim keeps its permits (the run releases
-    them); a claim a concurrent retry made first gives them back.
+    Returns (created, the claim now stored). A new claim holds its permits until its result
+    is appended (`Admission.finished`); a claim a concurrent retry made first gives them back.
     """
     gateway.admission.acquire_sampling(permits)
     claim = SeqClaim(
@@ -179,12 +167,14 @@ async def _claim(
     except BaseException:
         gateway.admission.release_sampling(permits)
         raise
-    if not created:
+    if created:
+        gateway.admission.hold_sampling(request_id, permits)
+    else:
         gateway.admission.release_sampling(permits)
     return created, stored
 
 
-def _start(
+async def _enqueue(
     gateway: Gateway,
     tenant: Tenant,
     sampler: SamplerRecord,
@@ -193,13 +183,26 @@ def _start(
     prompt: np.ndarray,
     max_tokens: int,
 ) -> None:
+    """Append the job to the shared work queue; any gateway replica runs it (see sample_runner)."""
     gateway.metrics.accepted["sample"] += 1
-    body = _engine_body(data, prompt, max_tokens)
-    task = asyncio.create_task(
-        _run(gateway, tenant, sampler, f"{sampler.sampler_id}:{seq}", seq, body, data, int(prompt.size))
+    request_id = f"{sampler.sampler_id}:{seq}"
+    job = SampleJob(
+        sampler_id=sampler.sampler_id,
+        engine_request=msgspec.json.encode(_engine_body(data, prompt, max_tokens)),
+        num_samples=data.num_samples,
+        prompt_len=int(prompt.size),
+        want_prompt_logprobs=bool(data.prompt_logprobs or data.topk_prompt_logprobs),
+        topk_prompt=data.topk_prompt_logprobs,
+        topk_sample=data.topk_sample_logprobs,
+        prompt_logprobs_last_n=data.prompt_logprobs_last_n,
+        tenant=tenant.id,
+        model_id=sampler.sampler_id,
+        request_id=request_id,
+        seq_id=seq,
+        at_ns=now_ns(),
+        traceparent=tracing.current_traceparent(),
     )
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+    await gateway.bus.publish(s.sample_subject(sampler.sampler_id), codec.pack(job), msg_id=request_id)
 
 
 @post("/api/v1/asample", status_code=200, operation_id="asample")
@@ -217,74 +220,13 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     if existing is None:
         created, existing = await _claim(gateway, tenant, key, request_id, digest, data.num_samples)
         if created:
-            _start(gateway, tenant, sampler, seq, data, prompt, max_tokens)
+            await _enqueue(gateway, tenant, sampler, seq, data, prompt, max_tokens)
     if existing.fingerprint != digest:
         raise Conflict(
             f"seq_id {seq} of sampler {sampler.sampler_id} was already used for a different sample request"
         )
     sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
     return w.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
-
-
-async def _adapter(gateway: Gateway, sampler: SamplerRecord) -> str | None:
-    """The engine adapter name to sample with (None: the base model), waiting for a pending save."""
-    if sampler.pending_request_id and not sampler.adapter_name:
-        result = await gateway.board.wait(sampler.pending_request_id, 24 * 3600)
-        if result is None or isinstance(result.body, Failure):
-            raise RuntimeError("the snapshot this sampler was created for failed to save")
-        fresh = await gateway.store.get(s.KV_SAMPLERS, s.token(sampler.sampler_id), SamplerRecord)
-        sampler = fresh or sampler
-    if sampler.adapter_name and sampler.adapter_dir:
-        await sglang.load_adapter(
-            client(), gateway.config.sampler_url, sampler.adapter_name, sampler.adapter_dir
-        )
-    return sampler.adapter_name
-
-
-async def _run(
-    gateway: Gateway,
-    tenant: Tenant,
-    sampler: SamplerRecord,
-    request_id: str,
-    seq: int,
-    body: dict[str, Any],
-    data: w.SampleRequest,
-    prompt_len: int,
-) -> None:
-    result: ResultBody
-    try:
-        adapter = await _adapter(gateway, sampler)
-        if adapter:
-            body["lora_path"] = adapter
-        outputs = await sglang.generate(client(), gateway.config.sampler_url, body)
-        result = sglang.to_sample_result(
-            outputs,
-            prompt_len,
-            bool(data.prompt_logprobs or data.topk_prompt_logprobs),
-            data.topk_prompt_logprobs,
-            data.topk_sample_logprobs,
-            data.prompt_logprobs_last_n,
-        )
-    except sglang.EngineError as exc:
-        result = Failure(
-            error=f"sampling engine refused the request: {exc}",
-            category="user" if exc.status == 400 else "server",
-        )
-    except Exception as exc:
-        log.exception("sample %s failed", request_id)
-        result = Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")
-    finally:
-        gateway.admission.release_sampling(data.num_samples)
-    record = RequestResult(
-        kind="sample",
-        body=result,
-        tenant=tenant.id,
-        model_id=sampler.sampler_id,
-        request_id=request_id,
-        seq_id=seq,
-        at_ns=now_ns(),
-    )
-    await gateway.bus.publish(s.result_subject(request_id), codec.pack(record), msg_id=request_id)
 
 
 ROUTES = [create_sampling_session, get_sampler, join_sampling_session, asample]
