@@ -21,7 +21,7 @@ from libs.contracts.common import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "events.md"
-TAGGED_MODULES = ("requests", "work", "outcomes", "results", "events", "snapshots")
+TAGGED_MODULES = ("requests", "work", "outcomes", "results", "events", "snapshots", "sampling")
 """The message families: every tagged Struct in them must be documented by its tag."""
 FIELD_MODULES = ("common", *TAGGED_MODULES, "records")
 """Modules whose every Struct (tagged or not) has a section listing all its fields."""
