@@ -6,14 +6,19 @@ Rules (see docs/semantics.md):
   first, under a token budget; a datum over the budget ships alone. A large request is split by
   the same rule. If it is an optim_step, every ready optim_step of every model joins one barrier
   unit; any other barrier runs alone.
-- A window whose forward_backward failed is poisoned: its optim_step discards the accumulated
-  gradients (never a partial step) and fails, saying what to resubmit.
-- save_state with gradients pending is a user error; save_weights_for_sampler neither applies nor
-  discards them.
+- A window whose forward_backward failed (or was rejected, or whose seq_id was sealed) is
+  poisoned: its optim_step discards the accumulated gradients (never a partial step) and fails,
+  saying what to resubmit.
+- save_state (and load_state) with gradients pending is a user error; save_weights_for_sampler
+  neither applies nor discards them.
 - create_model takes the lowest free adapter slot; with none free it waits (queue_state
   "paused_capacity") until a model is unloaded.
+- Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
+  whatever it can no longer run.
 
-Deterministic: the same commands and outcomes in the same order give the same units.
+Deterministic: the same commands and outcomes in the same order give the same units, and a fresh
+planner that folds every command, then `mark_emitted` for every unit already emitted, then every
+outcome, plans the same next units as the planner that saw them interleaved.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from libs.contracts.outcomes import BarrierOutcome, Outcome, WorkOutcome
+from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
     CreateModel,
     ForwardBackward,
@@ -55,6 +60,20 @@ from services.planner.streams import ModelStream, Pending
 HANDOFF = "handoff"
 """OpOutcome.info key: the request's result will be published by another service (the publisher)."""
 
+PAUSED_CAPACITY = "paused_capacity"
+
+SAVE_WITH_PENDING_GRADS = (
+    "save_state while gradients are pending: forward_backward ran since the last optim_step; "
+    "call optim_step first, then save_state again"
+)
+LOAD_WITH_PENDING_GRADS = (
+    "load_state while gradients are pending: forward_backward ran since the last optim_step; "
+    "call optim_step first, then load_state again"
+)
+
+Member = tuple[str, str, int]
+"""(model_id, request_id, datum index) of a unit's item; index -1 for a barrier op."""
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -72,37 +91,75 @@ class Planner:
     streams: dict[str, ModelStream] = field(default_factory=dict)
     slots: dict[int, str] = field(default_factory=dict)  # slot -> model_id
     units_emitted: int = 0
-    _unit_members: dict[str, list[tuple[str, str, int]]] = field(default_factory=dict)
+    _inflight: dict[str, list[Member]] = field(default_factory=dict)  # emitted, outcome not folded
+    # Replay: units already emitted for requests not folded yet (the request stream is replayed
+    # only up to its ack floor): request_id -> (datums issued, barrier issued).
+    _premarked: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    # ...and outcomes of such units that arrived before those requests did (folded once they have).
+    _deferred: dict[str, Outcome] = field(default_factory=dict)
 
     # --- folding inputs -----------------------------------------------------------------------
     def on_command(self, command: ModelCommand, arrival: int, now_ns: int = 0) -> bool:
-        stream = self.streams.get(command.model_id)
-        if stream is None:
-            stream = self.streams[command.model_id] = ModelStream(command.model_id)
-        return stream.accept(command, arrival, now_ns)
+        """Sequence a command; False if its seq_id was already seen (a duplicate has no effect)."""
+        sequenced = self._stream(command.model_id).accept(command, arrival, now_ns)
+        if sequenced is None:
+            return False
+        for pending in sequenced:
+            mark = self._premarked.pop(pending.command.request_id, None)
+            if mark is not None:
+                pending.issued = max(pending.issued, mark[0])
+                pending.barrier_issued = pending.barrier_issued or mark[1]
+        for unit_id, outcome in list(self._deferred.items()):
+            if not self._awaits_requests(unit_id):
+                del self._deferred[unit_id]
+                self._fold(outcome)  # its completions are picked up by the next collect()
+        return True
 
     def on_outcome(self, outcome: Outcome) -> list[Completion]:
-        if isinstance(outcome, WorkOutcome):
-            self._fold_work(outcome)
-        else:
-            self._fold_barrier(outcome)
-        self._unit_members.pop(outcome.unit_id, None)
+        """Fold a trainer outcome; an outcome for a unit already folded (a redelivery) has no effect."""
+        if self._awaits_requests(outcome.unit_id):
+            self._deferred[outcome.unit_id] = outcome  # replay: its requests are redelivered later
+            return []
+        self._fold(outcome)
         return self._collect_completions()
+
+    def _awaits_requests(self, unit_id: str) -> bool:
+        members = self._inflight.get(unit_id)
+        return bool(self._premarked) and members is not None and any(m[1] in self._premarked for m in members)
+
+    def _fold(self, outcome: Outcome) -> None:
+        members = self._inflight.pop(outcome.unit_id, None)
+        if members is None:
+            return
+        if isinstance(outcome, WorkOutcome):
+            self._fold_work(outcome, members)
+        else:
+            self._fold_barrier(outcome, members)
 
     def mark_emitted(self, unit: Unit) -> None:
         """Replay: a unit found in the work stream was already emitted; don't plan it again."""
-        self.units_emitted = max(self.units_emitted, unit_number(unit.unit_id) + 1)
+        if unit_number(unit.unit_id) < self.units_emitted:
+            return  # seen already
+        self.units_emitted = unit_number(unit.unit_id) + 1
         if isinstance(unit, WorkUnit):
+            self._inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in unit.items]
             for item in unit.items:
                 pending = self._find(item.model_id, item.request_id)
                 if pending is not None:
                     pending.issued = max(pending.issued, item.index + 1)
-        else:
-            for op in unit.ops:
-                pending = self._find(op.model_id, op.request_id)
-                if pending is not None:
-                    pending.barrier_issued = True
-                    self._apply_barrier_side_effects(op)
+                else:
+                    issued, barrier = self._premarked.get(item.request_id, (0, False))
+                    self._premarked[item.request_id] = (max(issued, item.index + 1), barrier)
+            return
+        self._inflight[unit.unit_id] = [(op.model_id, op.request_id, -1) for op in unit.ops]
+        for op in unit.ops:
+            self._stream(op.model_id)
+            pending = self._find(op.model_id, op.request_id)
+            if pending is not None:
+                pending.barrier_issued = True
+            else:
+                self._premarked[op.request_id] = (0, True)
+            self._apply_barrier_side_effects(op)
 
     # --- planning -----------------------------------------------------------------------------
     def plan(self) -> list[Unit]:
@@ -116,6 +173,15 @@ class Planner:
         """Requests that completed without a trainer (rejected seq_ids) or whose outcome arrived."""
         return self._collect_completions()
 
+    def waiting_for_capacity(self) -> list[str]:
+        """Request ids of create_models that wait for a free adapter slot (queue_state paused_capacity)."""
+        waiting = []
+        for stream in self.streams.values():
+            head = None if stream.closed else stream.ready_barrier()
+            if isinstance(head, Pending) and not self._barrier_can_run(stream, head):
+                waiting.append(head.command.request_id)
+        return sorted(waiting)
+
     def _next_unit(self) -> Unit | None:
         """Seed on the oldest ready datum or barrier; build the unit that seed calls for."""
         best_rows: Pending | None = None
@@ -125,7 +191,9 @@ class Planner:
             if stream.closed:
                 continue
             for pending in stream.open_window():
-                if pending.issued < pending.num_datums and (best_arrival is None or pending.arrival < best_arrival):
+                if pending.issued < pending.num_datums and (
+                    best_arrival is None or pending.arrival < best_arrival
+                ):
                     best_arrival, best_rows, best_barrier = pending.arrival, pending, None
             barrier = stream.ready_barrier()
             ready = barrier is not None and self._barrier_can_run(stream, barrier)
@@ -165,17 +233,15 @@ class Planner:
         items: list[UnitItem] = []
         tokens = 0
         for _, index, stream, pending in rows:
-            if index != pending.issued:
-                continue  # datums of one request are issued in order
             assert isinstance(pending.command, ForwardBackward) and stream.slot is not None
             datum = pending.command.data[index]
             if items and tokens + datum.num_tokens > self.token_budget:
-                break
+                break  # strictly oldest first: nothing younger jumps over a datum that did not fit
             items.append(UnitItem(stream.model_id, pending.command.request_id, index, stream.slot, datum))
             tokens += datum.num_tokens
             pending.issued += 1
         unit_id = self._next_unit_id()
-        self._unit_members[unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
+        self._inflight[unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
         return WorkUnit(
             unit_id=unit_id,
             forward_only=command.forward_only,
@@ -186,15 +252,18 @@ class Planner:
         )
 
     def _barrier_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit:
-        ops: list[SlotOp] = [self._barrier_op(stream, head)]
+        chosen = [(stream, head)]
         if isinstance(head.command, OptimStep):
             for other in self.streams.values():
                 if other is stream or other.closed:
                     continue
                 barrier = other.ready_barrier()
                 if barrier is not None and isinstance(barrier.command, OptimStep):
-                    ops.append(self._barrier_op(other, barrier))
+                    chosen.append((other, barrier))
+        chosen.sort(key=lambda pair: pair[1].arrival)  # independent of stream insertion order
+        ops = [self._barrier_op(s, p) for s, p in chosen]
         unit_id = self._next_unit_id()
+        self._inflight[unit_id] = [(op.model_id, op.request_id, -1) for op in ops]
         return BarrierUnit(unit_id=unit_id, ops=ops, traceparent=head.command.traceparent)
 
     def _barrier_op(self, stream: ModelStream, pending: Pending) -> SlotOp:
@@ -210,18 +279,15 @@ class Planner:
         elif stream.slot is None or not stream.created:
             op = FailRequest(model_id=mid, request_id=rid, error=f"model {mid} is not loaded")
         elif isinstance(cmd, OptimStep):
-            if stream.poisoned:
-                op = DiscardSlot(model_id=mid, request_id=rid, slot=stream.slot, reason=stream.poisoned)
+            poison = stream.poison.get(pending.window)
+            if poison is not None:
+                reason = f"the gradient window before optim_step seq_id {cmd.seq_id} is incomplete ({poison})"
+                op = DiscardSlot(model_id=mid, request_id=rid, slot=stream.slot, reason=reason)
             else:
                 op = StepSlot(model_id=mid, request_id=rid, slot=stream.slot, adam=cmd.adam)
         elif isinstance(cmd, SaveWeights):
-            if stream.pending_grads:
-                op = FailRequest(
-                    model_id=mid,
-                    request_id=rid,
-                    error="save_state while gradients are pending: call optim_step (or discard the "
-                    "batch) first, then save_state again",
-                )
+            if pending.window in stream.dirty:
+                op = FailRequest(model_id=mid, request_id=rid, error=SAVE_WITH_PENDING_GRADS)
             else:
                 op = SaveSlot(
                     model_id=mid,
@@ -233,7 +299,8 @@ class Planner:
                     user_metadata=cmd.user_metadata,
                 )
         elif isinstance(cmd, SaveForSampler):
-            path = f"tinker://{mid}/sampler_weights/{cmd.name}" if cmd.name else None
+            segment = "external_weights" if cmd.external else "sampler_weights"
+            path = f"tinker://{mid}/{segment}/{cmd.name}" if cmd.name else None
             op = ExportSlot(
                 model_id=mid,
                 request_id=rid,
@@ -244,14 +311,19 @@ class Planner:
                 ttl_s=cmd.ttl_s,
             )
         elif isinstance(cmd, LoadWeights):
-            if stream.pending_grads:
-                op = FailRequest(model_id=mid, request_id=rid, error="load_state while gradients are pending: call optim_step first")
+            if pending.window in stream.dirty:
+                op = FailRequest(model_id=mid, request_id=rid, error=LOAD_WITH_PENDING_GRADS)
             else:
                 op = LoadSlot(model_id=mid, request_id=rid, slot=stream.slot, restore=cmd.restore)
         elif isinstance(cmd, UnloadModel):
             op = ReleaseSlot(model_id=mid, request_id=rid, slot=stream.slot)
         else:
-            op = FailRequest(model_id=mid, request_id=rid, error=f"unsupported command {type(cmd).__name__}")
+            op = FailRequest(
+                model_id=mid,
+                request_id=rid,
+                error=f"unsupported command {type(cmd).__name__}",
+                category="server",
+            )
         self._apply_barrier_side_effects(op)
         return op
 
@@ -264,11 +336,16 @@ class Planner:
             stream.slot = op.slot
             self.slots[op.slot] = op.model_id
         elif isinstance(op, (StepSlot, DiscardSlot)):
-            stream.pending_grads = False
-            stream.poisoned = None
+            stream.consume_window()
         elif isinstance(op, ReleaseSlot):
-            self.slots.pop(op.slot, None)
-            stream.closed = True
+            self._free(stream)
+            stream.close("was unloaded")
+
+    def _free(self, stream: ModelStream) -> None:
+        """Give the stream's slot back (only if it still holds it: replay folds outcomes late)."""
+        if stream.slot is not None and self.slots.get(stream.slot) == stream.model_id:
+            del self.slots[stream.slot]
+        stream.slot = None
 
     def _next_unit_id(self) -> str:
         unit_id = f"u{self.units_emitted:012d}"
@@ -276,53 +353,56 @@ class Planner:
         return unit_id
 
     # --- outcomes -----------------------------------------------------------------------------
-    def _fold_work(self, outcome: WorkOutcome) -> None:
-        members = self._unit_members.get(outcome.unit_id)
-        seen: set[tuple[str, int]] = set()
-        for datum in outcome.datums:
-            seen.add((datum.request_id, datum.index))
-            pending, stream = self._find_with_stream(datum.request_id)
-            if pending is None or stream is None:
+    def _fold_work(self, outcome: WorkOutcome, members: list[Member]) -> None:
+        """Every member datum gets exactly one result: its own, or the unit's failure."""
+        by_key: dict[tuple[str, int], DatumOutcome] = {}
+        for got in outcome.datums:
+            by_key.setdefault((got.request_id, got.index), got)
+        for _model_id, request_id, index in members:
+            pending, stream = self._find_with_stream(request_id)
+            if pending is None or stream is None or index >= pending.num_datums:
                 continue
             pending.done += 1
-            if datum.error is not None or outcome.error is not None:
-                pending.error = pending.error or datum.error or outcome.error
-                pending.category = "user" if datum.error else "server"
-                if not _forward_only(pending):
-                    stream.poisoned = stream.poisoned or f"forward_backward seq_id {pending.command.seq_id} failed"
+            datum = by_key.get((request_id, index))
+            if datum is None or datum.error is not None or outcome.error is not None:
+                if datum is not None and datum.error is not None:
+                    error, category = datum.error, "user"
+                else:
+                    error = outcome.error or f"the trainer returned no result for data[{index}]"
+                    category = "server"
+                if pending.error is None:
+                    pending.error, pending.category = error, category
+                if pending.trains:
+                    stream.poison_window(
+                        pending.window, f"forward_backward seq_id {pending.command.seq_id} failed"
+                    )
             else:
-                pending.outputs[datum.index] = DatumResult(datum.logprobs, datum.loss)
-                cmd = pending.command
-                if isinstance(cmd, ForwardBackward) and not cmd.forward_only:
-                    stream.pending_grads = True
-        if outcome.error is not None and members:
-            for _model_id, request_id, index in members:
-                if (request_id, index) in seen:
-                    continue
-                pending, stream = self._find_with_stream(request_id)
-                if pending is None or stream is None:
-                    continue
-                pending.done += 1
-                pending.error = pending.error or outcome.error
-                pending.category = "server"
-                if not _forward_only(pending):
-                    stream.poisoned = stream.poisoned or f"forward_backward seq_id {pending.command.seq_id} failed"
+                pending.outputs[index] = DatumResult(datum.logprobs, datum.loss)
+                if pending.trains:
+                    stream.mark_dirty(pending.window)
 
-    def _fold_barrier(self, outcome: BarrierOutcome) -> None:
+    def _fold_barrier(self, outcome: BarrierOutcome, members: list[Member]) -> None:
+        by_request: dict[str, OpOutcome] = {}
         for op in outcome.ops:
-            pending, stream = self._find_with_stream(op.request_id)
-            if pending is None or stream is None:
+            by_request.setdefault(op.request_id, op)
+        for model_id, request_id, _ in members:
+            pending, stream = self._find_with_stream(request_id)
+            if pending is None or stream is None or pending.finished:
                 continue
+            op = by_request.get(request_id) or OpOutcome(
+                model_id=model_id,
+                request_id=request_id,
+                ok=False,
+                error="the trainer returned no outcome for this request",
+                category="server",
+            )
             pending.finished = True
-            cmd = pending.command
-            if isinstance(cmd, CreateModel):
+            if isinstance(pending.command, CreateModel):
                 if op.ok:
                     stream.created = True
                 else:
-                    if stream.slot is not None:
-                        self.slots.pop(stream.slot, None)
-                    stream.slot = None
-                    stream.closed = True
+                    self._free(stream)
+                    stream.close(f"failed to start ({op.error or 'failed'})")
             if not op.ok:
                 pending.error = op.error or "failed"
                 pending.category = op.category
@@ -337,20 +417,27 @@ class Planner:
                 cmd = pending.command
                 if isinstance(cmd, Rejected):
                     pending.error, pending.category = cmd.error, cmd.category
-                    if pending.is_window:
-                        # Popped at the head: its window's barrier has not been issued yet.
-                        stream.poisoned = stream.poisoned or f"forward_backward seq_id {cmd.seq_id} was rejected"
                 done.append(Completion(pending, stream.model_id, self._result_body(stream, pending)))
         return done
 
     @staticmethod
     def _fail_unstarted(stream: ModelStream) -> None:
-        """A closed model runs nothing more: commands not yet handed to a trainer fail."""
+        """A closed model runs nothing more: whatever was not handed to a trainer fails now
+        (what was handed over completes through its outcome)."""
+        error = (
+            f"model {stream.model_id} {stream.closed_reason}; this request did not run. "
+            "Create a new model (or load a checkpoint into one) and resubmit."
+        )
         for pending in stream.queue:
-            if pending.issued == 0 and not pending.barrier_issued and not pending.complete:
-                pending.error = pending.error or f"model {stream.model_id} is closed (unloaded or failed to start)"
-                pending.done = pending.num_datums
-                pending.finished = True
+            if pending.complete:
+                continue
+            if pending.is_window and pending.issued < pending.num_datums:
+                pending.done += pending.num_datums - pending.issued
+                pending.issued = pending.num_datums
+                pending.error = pending.error or error
+            elif not pending.is_window and not pending.barrier_issued:
+                pending.barrier_issued = pending.finished = True
+                pending.error = pending.error or error
 
     def _result_body(self, stream: ModelStream, pending: Pending) -> ResultBody | None:
         if pending.error is not None:
@@ -359,9 +446,14 @@ class Planner:
         metrics, info = pending.metrics, pending.info
         if isinstance(cmd, ForwardBackward):
             outputs = [o for o in pending.outputs if o is not None]
-            return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": float(sum(o.loss for o in outputs))})
+            return ForwardBackwardResult(
+                outputs=outputs, metrics={"loss:sum": float(sum(o.loss for o in outputs))}
+            )
         if info.get(HANDOFF):
             return None
+        if isinstance(cmd, CreateModel) and cmd.restore is not None:  # create mode of load_weights
+            path = cmd.restore.tinker_path
+            return JsonResult(body={"model_id": stream.model_id, "path": path, "type": "load_weights"})
         if isinstance(cmd, CreateModel):
             return JsonResult(body={"model_id": stream.model_id, "type": "create_model"})
         if isinstance(cmd, OptimStep):
@@ -376,15 +468,27 @@ class Planner:
         """The trace contexts of every request a unit serves (a packed unit serves many traces)."""
         traces: list[str] = []
         requests = (
-            [(i.model_id, i.request_id) for i in unit.items] if isinstance(unit, WorkUnit) else [(op.model_id, op.request_id) for op in unit.ops]
+            [(i.model_id, i.request_id) for i in unit.items]
+            if isinstance(unit, WorkUnit)
+            else [(op.model_id, op.request_id) for op in unit.ops]
         )
         for model_id, request_id in dict.fromkeys(requests):
             pending = self._find(model_id, request_id)
-            if pending is not None and pending.command.traceparent and pending.command.traceparent not in traces:
+            if (
+                pending is not None
+                and pending.command.traceparent
+                and pending.command.traceparent not in traces
+            ):
                 traces.append(pending.command.traceparent)
         return traces
 
     # --- lookup -------------------------------------------------------------------------------
+    def _stream(self, model_id: str) -> ModelStream:
+        stream = self.streams.get(model_id)
+        if stream is None:
+            stream = self.streams[model_id] = ModelStream(model_id)
+        return stream
+
     def _find(self, model_id: str, request_id: str) -> Pending | None:
         stream = self.streams.get(model_id)
         if stream is None:
@@ -405,10 +509,6 @@ class Planner:
         return None, stream
 
 
-def _forward_only(pending: Pending) -> bool:
-    return isinstance(pending.command, ForwardBackward) and pending.command.forward_only
-
-
 def model_of_request(request_id: str) -> str:
     """Request ids are `{model_id}:{seq_id}` (deterministic from the SDK's own coordinates)."""
     return request_id.rsplit(":", 1)[0]
@@ -420,5 +520,10 @@ def unit_number(unit_id: str) -> int:
 
 def loss_class(command: ForwardBackward) -> tuple[object, ...]:
     """Datums may share a unit only when this key is equal."""
-    config = tuple(sorted((k, msgspec.json.encode(v)) for k, v in command.loss_config.items()))
+    config = tuple(
+        sorted(
+            (k, v if isinstance(v, str) else msgspec.json.encode(float(v)))
+            for k, v in command.loss_config.items()
+        )
+    )
     return (command.forward_only, command.loss_fn, config)

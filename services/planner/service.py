@@ -15,7 +15,7 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from infra import tracing
 from infra.bus import Bus, ack_floor, fetch_loop, last_seq, replay
@@ -23,12 +23,13 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted, RequestFailed, UnitPlanned
-from libs.contracts.records import SeqClaim
+from libs.contracts.records import QueueRecord, SeqClaim
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import BarrierUnit, Unit, WorkUnit
 from services.planner.config import PlannerConfig
-from services.planner.planner import Completion, Planner
+from services.planner.planner import PAUSED_CAPACITY, Completion, Planner
+from services.planner.streams import SEALED
 
 log = logging.getLogger("tinkerd.planner")
 
@@ -57,6 +58,7 @@ class PlannerService:
         self.config = config
         self.planner = Planner(num_slots=config.num_slots, token_budget=config.token_budget)
         self._lock = asyncio.Lock()
+        self._paused: set[str] = set()  # create_model requests published as paused_capacity
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
@@ -64,8 +66,11 @@ class PlannerService:
         outcomes_floor = await ack_floor(self.bus, s.STREAM_OUTCOMES, s.DURABLE_PLANNER_OUTCOMES)
         work_last = await last_seq(self.bus, s.STREAM_WORK)
 
+        replay_ns = now_ns()  # a hole found on replay gets a full gap timeout from now
+
         def on_request(msg: Msg) -> None:
-            self.planner.on_command(codec.command_decoder.decode(msg.data), msg.metadata.sequence.stream)
+            command = codec.command_decoder.decode(msg.data)
+            self.planner.on_command(command, msg.metadata.sequence.stream, replay_ns)
 
         def on_unit(msg: Msg) -> None:
             self.planner.mark_emitted(codec.unit_decoder.decode(msg.data))
@@ -77,6 +82,7 @@ class PlannerService:
         n_work = await replay(self.bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_unit)
         n_out = await replay(self.bus, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, outcomes_floor, on_outcome)
         self.planner.collect()  # already published before the crash (acked => durable)
+        self._paused = {s.untoken(key) for key in await self._queue_keys()}  # re-checked on _advance
         log.info("replayed %d requests, %d units, %d outcomes", n_req, n_work, n_out)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -122,6 +128,32 @@ class PlannerService:
         for unit in self.planner.plan():
             await self._emit_unit(unit)
         await self._publish_completions(self.planner.collect())
+        await self._publish_queue_state()
+
+    async def _queue_keys(self) -> list[str]:
+        kv = await self.bus.kv(s.KV_QUEUE)
+        try:
+            return list(await kv.keys())
+        except NoKeysError:
+            return []
+
+    async def _publish_queue_state(self) -> None:
+        """Mark create_model requests that wait for a free slot, so try_again says paused_capacity."""
+        waiting = set(self.planner.waiting_for_capacity())
+        if waiting == self._paused:
+            return
+        kv = await self.bus.kv(s.KV_QUEUE)
+        for request_id in sorted(waiting - self._paused):
+            reason = f"all {self.config.num_slots} adapter slots are in use; waiting for one to be freed"
+            record = QueueRecord(
+                request_id=request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
+            )
+            await kv.put(s.token(request_id), codec.to_json(record))
+            log.info("%s waits for a free adapter slot", request_id)
+        for request_id in sorted(self._paused - waiting):
+            with contextlib.suppress(KeyNotFoundError):
+                await kv.delete(s.token(request_id))
+        self._paused = waiting
 
     async def _emit_unit(self, unit: Unit) -> None:
         with tracing.span(
@@ -231,7 +263,7 @@ class PlannerService:
             "it was sealed as failed so later requests can run"
         )
         sealed = Rejected(
-            kind="sealed",
+            kind=SEALED,
             error=error,
             tenant=tenant,
             model_id=model_id,

@@ -6,17 +6,30 @@ These modules plug into megatron's ``SelfAttention`` as its ``core_attention`` s
 slot megatron fills with ``DotProductAttention``); megatron has already projected q/k/v,
 applied qk-norm and per-document RoPE before calling them.
 
+Backends (``EngineConfig.attention_backend`` picks one by its key in ``ATTENTION_BACKENDS``):
+
+    sdpa_per_document    one causal SDPA call per document (a Python loop; CPU default)
+    sdpa_block_diagonal  one SDPA call with a dense [T, T] block-diagonal mask (tests)
+    flex_attention       ``torch.nn.attention.flex_attention`` with a per-document causal
+                         ``BlockMask``: one fused kernel, no [T, T] score matrix; compiled on
+                         CUDA; on CPU eager, unfused and forward only (torch has no CPU
+                         backward for it), so there it serves tests and ``logits`` alone
+    varlen_flash         ``torch.nn.attention.varlen.varlen_attn``: FlashAttention-2 over the
+                         packed stream with ``cu_seqlens``; CUDA only (the GPU choice)
+
 Invariant: a token attends to itself and the earlier tokens of its own document only, never
 across a document boundary; query heads map to key/value groups as megatron and Hugging Face
-do (head ``h`` uses group ``h // (heads / groups)``).  Backends differ only in speed, so
-``ATTENTION_BACKENDS`` lets a GPU variant (flex_attention, varlen flash attention) replace
-the CPU ones by configuration alone.
+do (head ``h`` uses group ``h // (heads / groups)``).  Backends differ only in speed (and in
+rounding), so a GPU backend replaces the CPU ones by configuration alone.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,7 +122,200 @@ class BlockDiagonalSdpa(_PackedAttentionBase):
         return out.transpose(0, 1)  # [T, heads, d]
 
 
+class _FusedPackedAttention(_PackedAttentionBase):
+    """Base of the fused backends: the whole stream in one kernel call, no host sync.
+
+    Both layouts megatron hands over become one packed stream ``[T, heads, d]`` with int32
+    ``cu_seqlens`` on the device: THD as is (``max_seqlen_q`` comes from the engine, so the
+    boundaries never travel to the host), unpacked ``[s, b, heads, d]`` as ``b`` documents
+    of ``s`` tokens.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None:
+            s, b = query.shape[0], query.shape[1]
+            q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
+            cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)  # [b + 1]
+            out = self._attend_packed(q, k, v, cu, s, cache_key=None)  # [b*s, heads, d]
+            return out.reshape(b, s, -1).transpose(0, 1)  # [s, b, heads*d]
+        cu = packed_seq_params.cu_seqlens_q
+        max_len = packed_seq_params.max_seqlen_q
+        if max_len is None:
+            max_len = int((cu[1:] - cu[:-1]).max())
+        out = self._attend_packed(query, key, value, cu.to(torch.int32), int(max_len), cache_key=cu)
+        return out.reshape(out.shape[0], -1)  # [T, heads*d]
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        cache_key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``doc[t]`` = index of the document holding token ``t`` (device-side, no host sync)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # [D]
+    docs = torch.arange(lengths.shape[0], device=cu_seqlens.device)  # [D]
+    return torch.repeat_interleave(docs, lengths, output_size=total)  # [T]
+
+
+class _BlockMaskCache:
+    """The last ``BlockMask`` built, keyed by the identity of the ``cu_seqlens`` tensor.
+
+    Every layer of one forward receives the same ``PackedSeqParams`` object, so the mask is
+    built once per forward instead of once per layer.  The cache holds a strong reference to
+    its key, so a later tensor can never reuse the key's id while the entry lives.
+    """
+
+    def __init__(self) -> None:
+        self.key: torch.Tensor | None = None
+        self.total = -1
+        self.mask: Any = None
+
+    def get(self, key: torch.Tensor | None, total: int, build: Callable[[], Any]) -> Any:
+        if key is not None and key is self.key and total == self.total:
+            return self.mask
+        mask = build()
+        if key is not None:
+            self.key, self.total, self.mask = key, total, mask
+        return mask
+
+
+_FLEX_MASKS = _BlockMaskCache()
+_FLEX_COMPILED: Callable[..., Any] | None = None
+FLEX_BLOCK = 128
+"""flex_attention's tile; on CUDA the stream is padded to a multiple of it (fewer recompiles)."""
+
+
+def _flex_pads(q: torch.Tensor) -> bool:
+    """Whether the stream is padded to a multiple of ``FLEX_BLOCK`` (CUDA: the compiled kernel)."""
+    return q.is_cuda
+
+
+def _flex_kernel(device: torch.device) -> Callable[..., Any]:
+    """``flex_attention`` compiled once per process on CUDA; the eager reference elsewhere."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention)
+    return _FLEX_COMPILED
+
+
+class FlexDocumentAttention(_FusedPackedAttention):
+    """flex_attention with a per-document causal ``BlockMask`` (GQA native, no repeat).
+
+    The mask keeps ``(q, kv)`` iff both tokens lie in one document and ``kv <= q``; tiles of
+    the [T, T] grid that no pair of one document touches are skipped entirely, so the work is
+    ``sum_d len_d^2 / 2`` up to tile granularity and no score matrix is materialised (on CUDA).
+    Padding tokens (CUDA only) form their own document of id -1 and are cut off the output.
+    """
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        cache_key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        total = q.shape[0]
+        padded = total
+        if _flex_pads(q) and total % FLEX_BLOCK:
+            padded = total + FLEX_BLOCK - total % FLEX_BLOCK
+
+        def build() -> Any:
+            doc = document_ids(cu_seqlens, total)  # [T]
+            if padded != total:
+                doc = F.pad(doc, (0, padded - total), value=-1)  # [T_pad]
+
+            def same_doc_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+            return create_block_mask(same_doc_causal, None, None, padded, padded, device=q.device)
+
+        mask = _FLEX_MASKS.get(cache_key, total, build)
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [1, h, T_pad, d]
+            x = x if x.is_contiguous() else x.contiguous()  # one layout: one compiled kernel
+            if padded != total:
+                x = F.pad(x, (0, 0, 0, 0, 0, padded - total))
+            return x.transpose(0, 1).unsqueeze(0)
+
+        out = _flex_kernel(q.device)(
+            heads_first(q),
+            heads_first(k),
+            heads_first(v),
+            block_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.heads != self.groups,
+        )  # [1, heads, T_pad, d]
+        return out[0, :, :total].transpose(0, 1)  # [T, heads, d]
+
+
+@functools.cache
+def _varlen_call() -> tuple[Callable[..., Any], dict[str, Any], bool]:
+    """``varlen_attn`` and the keyword arguments that make it causal in this torch.
+
+    torch releases spell causality ``is_causal=True`` (older) or ``window_size=(-1, 0)``
+    (newer); only some accept ``enable_gqa``.  FlashAttention takes fewer key/value heads
+    than query heads natively, so GQA needs no copy either way.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+class VarlenFlashAttention(_FusedPackedAttention):
+    """FlashAttention-2 over the packed stream via ``torch.nn.attention.varlen.varlen_attn``.
+
+    One kernel for all documents, driven by ``cu_seqlens``; memory ``O(T)``.  CUDA (bf16 or
+    fp16) only: on CPU tensors it raises, so a CPU engine must pick another backend.
+    """
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        cache_key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if not q.is_cuda:
+            raise RuntimeError(
+                "attention backend 'varlen_flash' needs CUDA tensors; use 'sdpa_per_document' on CPU"
+            )
+        fn, causal, takes_gqa = _varlen_call()
+        extra = {"enable_gqa": True} if takes_gqa and self.heads != self.groups else {}
+        q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+        return fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=self.scale, **causal, **extra)
+
+
 ATTENTION_BACKENDS: dict[str, type[nn.Module]] = {
     "sdpa_per_document": PerDocumentSdpa,
     "sdpa_block_diagonal": BlockDiagonalSdpa,
+    "flex_attention": FlexDocumentAttention,
+    "varlen_flash": VarlenFlashAttention,
 }

@@ -58,7 +58,14 @@ class EngineConfig:
     max_lora_rank: int = 64
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    attention_backend: str = "sdpa_per_document"  # a key of attention.ATTENTION_BACKENDS
+    attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """`auto` picks the fused varlen kernel on CUDA and per-document SDPA on CPU."""
+    if name != "auto":
+        return name
+    return "varlen_flash" if device == "cuda" else "sdpa_per_document"
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class TrainerEngine:
             config.base_model_dir,
             dtype=dtype,
             device=config.device,
-            attention_backend=config.attention_backend,
+            attention_backend=resolve_backend(config.attention_backend, config.device),
         )
         self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device)
         self.pool.attach(self.model)

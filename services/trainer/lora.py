@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.trainer.convert import ModelShape, ShardKind, shard
@@ -131,6 +130,26 @@ class SlotRouting:
     def __init__(self) -> None:
         self.segments: list[Segment] = []
         self.configs: dict[int, SlotConfig] = {}
+        self._masks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks_for: list[Segment] | None = None
+
+    def slot_mask(
+        self, group: str, slots: list[int], active: list[Segment], x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [T, S] token-to-slot mask (holding each slot's scaling) and the [S] slot index.
+
+        Built once per forward and group on the host and copied to the device once, so the
+        adapters of every layer reuse it with no host round trip.
+        """
+        if self._masks_for is not self.segments:
+            self._masks, self._masks_for = {}, self.segments
+        key = (group, x.device, x.dtype)
+        if key not in self._masks:
+            mask = torch.zeros(x.shape[0], len(slots))
+            for seg in active:
+                mask[seg.start : seg.end, slots.index(seg.slot)] = self.configs[seg.slot].scaling
+            self._masks[key] = (mask.to(x.device, x.dtype), torch.tensor(slots, device=x.device))
+        return self._masks[key]
 
 
 class SlotAdapter(nn.Module):
@@ -147,43 +166,43 @@ class SlotAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank))  # (slots, out, r_max)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None."""
+        """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
+
+        With S slots active in this forward, their adapters are used side by side:
+        ``h = x @ [A_1; ..; A_S]^T`` gives every token all S rank-r_max projections
+        ([T, S*r_max]); a [T, S] mask keeps only the token's own slot's block, scaled by that
+        slot's alpha/rank; then ``h @ [B_1 .. B_S]^T``. Rows and columns past a slot's rank
+        are zero, so smaller ranks are exact. This costs S times the (small) LoRA FLOPs but a
+        fixed number of kernels however many tenants share the batch; one slot takes a plain path.
+        """
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
-        segments = self.routing.segments
-        configs = self.routing.configs
-        active = [configs[s.slot].trains(self.target.group) for s in segments]
-        if not any(active):
+        region = (
+            copy_to_tensor_model_parallel_region
+            if self.target.column_parallel
+            else reduce_from_tensor_model_parallel_region
+        )  # one collective per module and forward; every TP rank sees the same segments
+        routing, group = self.routing, self.target.group
+        active = [s for s in routing.segments if routing.configs[s.slot].trains(group)]
+        if not active:
             return None
-        hidden = []
-        for seg, on in zip(segments, active, strict=True):
-            xs = x[seg.start : seg.end]  # [t, 1, in]
-            if not on:
-                hidden.append(xs.new_zeros(*xs.shape[:-1], self.max_rank))  # [t, 1, r_max]
-                continue
-            rank = configs[seg.slot].rank
-            a = self.lora_A[seg.slot, :rank].to(x.dtype)  # [r, in]
-            hidden.append(F.pad(xs @ a.t(), (0, self.max_rank - rank)))  # [t, 1, r_max]
-        h = torch.cat(hidden, dim=0)  # [T, 1, r_max]
-        # One collective per module and forward; every TP rank sees the same segments.
-        if self.target.column_parallel:
-            h = copy_to_tensor_model_parallel_region(h)
-        else:
-            h = reduce_from_tensor_model_parallel_region(h)
-        out = []
-        for seg, on in zip(segments, active, strict=True):
-            if not on:
-                out.append(
-                    x.new_zeros(seg.end - seg.start, *x.shape[1:-1], self.lora_B.shape[1])
-                )  # [t, 1, out]
-                continue
-            cfg = configs[seg.slot]
-            b = self.lora_B[seg.slot, :, : cfg.rank].to(x.dtype)  # [out, r]
-            out.append((h[seg.start : seg.end, ..., : cfg.rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
-        return torch.cat(out, dim=0)  # [T, 1, out]
+        slots = sorted({s.slot for s in active})
+        covered = sum(s.end - s.start for s in active) == x.shape[0]
+        if len(slots) == 1 and covered:
+            cfg = routing.configs[slots[0]]
+            a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
+            b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
+            return region((x @ a.t()) * cfg.scaling) @ b.t()  # [T, 1, out]
+        mask, index = routing.slot_mask(group, slots, active, x)  # [T, S], [S]
+        n, r = len(slots), self.max_rank
+        a = self.lora_A.index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
+        h = region(x @ a.t())  # [T, 1, S*r]
+        h = (h.view(-1, 1, n, r) * mask.view(-1, 1, n, 1)).view(-1, 1, n * r)  # own block only, scaled
+        b = self.lora_B.index_select(0, index).to(x.dtype)  # [S, out, r]
+        return h @ b.permute(1, 0, 2).reshape(b.shape[1], n * r).t()  # [T, 1, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         update = self.delta(args[0])

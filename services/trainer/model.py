@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.trainer import packed_rope
 from services.trainer.attention import ATTENTION_BACKENDS
 from services.trainer.convert import (
     ModelShape,
@@ -177,6 +178,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     apply_cpu_shims()
+    packed_rope.install()
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {attention_backend!r}; known: {sorted(ATTENTION_BACKENDS)}"

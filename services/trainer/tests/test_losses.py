@@ -127,9 +127,10 @@ def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: Trainer
         for got, want in zip(
             [o for d, o in zip(datums, mixed, strict=True) if d.slot == slot], alone, strict=True
         ):
-            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
+            # fp32: a mixed batch runs the multi-slot LoRA kernels, a single slot the plain path
+            assert_close_scaled(torch.from_numpy(got.logprobs), torch.from_numpy(want.logprobs), 1e-6, "logprobs")
         for name, g in engine.get_slot_grads(slot).items():
-            assert_close_scaled(mixed_grads[slot][name], g, 1e-6, name)
+            assert_close_scaled(mixed_grads[slot][name], g, 1e-5, name)
         engine.discard_grads(slot)
 
 

@@ -1,0 +1,388 @@
+"""Gateway overhead (issue 3): what an SDK call costs beyond the trainer's own compute.
+
+One real stack (``tests.harness.Stack``: nats-server plus every service as a subprocess, tiny
+model, loopback). Part 1, one client, sequential: ``forward_backward`` (one 64-token datum) then
+``optim_step``, each timed from the SDK call to its ``.result()``. Trainer compute per request is
+read back from the operation events (``unit_done.duration_ms`` of the units ``planned`` for it;
+that duration also covers publishing the outcome and acking the work message) and, tighter, from
+the outcome stream (``finished_ns - started_ns``: ``TrainerService.execute`` alone).
+
+    overhead = SDK round trip - trainer compute          (per call, then p50 / p99)
+
+Part 2, submissions per second from 16 concurrent clients: raw ``httpx`` posts of pre-built
+bodies (protobuf ``forward_backward`` bodies made with the SDK's own encoder, JSON ``asample``),
+8 tenants; then the time until every future has its result (completions per second). The
+gateway's sampling admission limit is raised for the run so that no post is refused with 429.
+
+    .venv/bin/python bench/gateway_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import (  # noqa: E402
+    cpu_parser,
+    dist,
+    event_tag,
+    events,
+    header,
+    random_tokens,
+    running_stack,
+    sft_datum,
+    stream_messages,
+    table,
+)
+
+TARGET_P50_MS = 10.0
+TENANTS = 8
+CLIENTS = 16
+VOCAB = 2048  # tiny-qwen3
+
+
+@dataclass
+class Call:
+    kind: str
+    start_ns: int
+    end_ns: int
+    warmup: bool
+
+
+def sequential_calls(base_url: str, reps: int, warmup: int) -> tuple[str, list[Call]]:
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench-overhead")
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8).result()
+    datum = sft_datum(random_tokens(0, 65, VOCAB))
+    adam = types.AdamParams(learning_rate=1e-4)
+    submit: dict[str, Callable[[], Any]] = {
+        "forward_backward": lambda: training.forward_backward([datum], "cross_entropy"),
+        "optim_step": lambda: training.optim_step(adam),
+    }
+    calls = []
+    for i in range(warmup + reps):
+        for kind, call in submit.items():
+            start = time.time_ns()
+            call().result()
+            calls.append(Call(kind, start, time.time_ns(), i < warmup))
+    return training.model_id, calls
+
+
+def overhead_rows(
+    nats_url: str, model_id: str, calls: list[Call]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from libs.contracts import codec
+    from libs.contracts import subjects as s
+
+    by_tag: dict[str, list[Any]] = defaultdict(list)
+    for _ in range(50):  # unit_done is emitted after the outcome: wait for the last one
+        by_tag = defaultdict(list)
+        for event in events(nats_url):
+            by_tag[event_tag(event)].append(event)
+        if len(by_tag["unit_done"]) >= len(by_tag["planned"]):
+            break
+        time.sleep(0.2)
+    outcomes = stream_messages(
+        nats_url, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, lambda m: codec.outcome_decoder.decode(m.data)
+    )
+    executed = {o.unit_id: o for o in outcomes}
+    done = {e.unit_id: e for e in by_tag["unit_done"]}
+    started = {e.unit_id: e for e in by_tag["started"]}
+    completed = {e.request_id: e for e in by_tag["completed"]}
+    units: dict[str, list[Any]] = defaultdict(list)
+    for planned in by_tag["planned"]:
+        for request_id in planned.requests:
+            units[request_id].append(planned)
+    accepted = sorted((e for e in by_tag["accepted"] if e.model_id == model_id), key=lambda e: e.seq_id)
+    order = {kind: [e for e in accepted if e.kind == kind] for kind in ("forward_backward", "optim_step")}
+    taken = {kind: iter(events_) for kind, events_ in order.items()}
+
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for call in calls:
+        acc = next(taken[call.kind])
+        if call.warmup:
+            continue
+        mine = units[acc.request_id]
+        last = executed[mine[-1].unit_id]
+        rtt = (call.end_ns - call.start_ns) / 1e6
+        unit_ms = sum(done[u.unit_id].duration_ms for u in mine)
+        exec_ms = sum((executed[u.unit_id].finished_ns - executed[u.unit_id].started_ns) / 1e6 for u in mine)
+        row = samples[call.kind]
+        row["rtt"].append(rtt)
+        row["unit_done"].append(unit_ms)
+        row["execute"].append(exec_ms)
+        row["overhead"].append(rtt - unit_ms)
+        row["overhead_exec"].append(rtt - exec_ms)
+        row["1 SDK submit -> gateway accepted"].append((acc.at_ns - call.start_ns) / 1e6)
+        row["2 accepted -> trainer started (planner, work fetch)"].append(
+            (started[mine[0].unit_id].at_ns - acc.at_ns) / 1e6
+        )
+        row["3 trainer execute"].append(exec_ms)
+        row["4 execute end -> result published (outcome, planner)"].append(
+            (completed[acc.request_id].at_ns - last.finished_ns) / 1e6
+        )
+        row["5 result published -> SDK has it (long-poll)"].append(
+            (call.end_ns - completed[acc.request_id].at_ns) / 1e6
+        )
+    summary, stages = [], []
+    for kind, row in samples.items():
+        d = {name: dist(values) for name, values in row.items()}
+        summary.append(
+            {
+                "call": kind,
+                "n": d["rtt"]["n"],
+                "rtt_p50": d["rtt"]["p50"],
+                "rtt_p99": d["rtt"]["p99"],
+                "unit_p50": d["unit_done"]["p50"],
+                "exec_p50": d["execute"]["p50"],
+                "ovh_p50": d["overhead"]["p50"],
+                "ovh_p99": d["overhead"]["p99"],
+                "ovhx_p50": d["overhead_exec"]["p50"],
+                "ovhx_p99": d["overhead_exec"]["p99"],
+                "met": "yes" if d["overhead"]["p50"] < TARGET_P50_MS else "no",
+            }
+        )
+        for name, values in sorted(row.items()):
+            if name[0].isdigit():
+                stages.append(
+                    {"call": kind, "stage": name, "p50": dist(values)["p50"], "p99": dist(values)["p99"]}
+                )
+    return summary, stages
+
+
+# ---- submissions per second --------------------------------------------------------------
+
+
+async def post_all(base_url: str, jobs: list[tuple[str, str, bytes, dict[str, str]]]) -> dict[str, Any]:
+    """POST every (path, api key, body, headers) job from CLIENTS concurrent connections."""
+    import httpx
+
+    queue = list(reversed(jobs))
+    latencies: list[float] = []
+    statuses: dict[int, int] = defaultdict(int)
+    request_ids: list[str] = []
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            while queue:
+                path, key, body, headers = queue.pop()
+                start = time.perf_counter()
+                response = await http.post(path, content=body, headers={"X-API-Key": key, **headers})
+                latencies.append(time.perf_counter() - start)
+                statuses[response.status_code] += 1
+                if response.status_code == 200:
+                    request_ids.append(f"{key}|{response.json()['request_id']}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
+    return {
+        "wall": time.perf_counter() - start,
+        "latencies": latencies,
+        "statuses": dict(statuses),
+        "ids": request_ids,
+    }
+
+
+async def retrieve_all(base_url: str, keyed_ids: list[str]) -> int:
+    """Long-poll every future until it has a result; returns how many failed."""
+    import httpx
+
+    queue = list(keyed_ids)
+    failed = 0
+
+    async def client() -> None:
+        nonlocal failed
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            while queue:
+                key, request_id = queue.pop().split("|", 1)
+                while True:
+                    response = await http.post(
+                        "/api/v1/retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": key}
+                    )
+                    body = response.json() if response.status_code == 200 else {"error": response.text}
+                    if body.get("type") != "try_again":
+                        failed += "error" in body
+                        break
+
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
+    return failed
+
+
+def fb_jobs(base_url: str, per_tenant: int) -> tuple[list[tuple[str, str, bytes, dict[str, str]]], list[str]]:
+    """Pre-built protobuf forward_backward posts (seq 1..n per model), and the last request per model."""
+    import tinker
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    jobs, last = [], []
+    headers = {"Content-Type": "application/x-protobuf"}
+    for tenant in range(TENANTS):
+        key = f"tml-bench-fb-{tenant}"
+        service = tinker.ServiceClient(base_url=base_url, api_key=key)
+        model_id = service.create_lora_training_client(base_model="tiny-qwen3", rank=8).result().model_id
+        for seq in range(1, per_tenant + 1):
+            data = [sft_datum(random_tokens(1000 * tenant + seq, 65, VOCAB))]
+            request = types.ForwardBackwardRequest(
+                forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+                model_id=model_id,
+                seq_id=seq,
+            )
+            body = forward_backward_request_to_proto(request).SerializeToString()
+            jobs.append(("/api/v1/forward_backward", key, body, headers))
+        last.append(f"{key}|{model_id}:{per_tenant}")
+    return interleave(jobs, per_tenant), last
+
+
+def sample_jobs(base_url: str, per_tenant: int) -> list[tuple[str, str, bytes, dict[str, str]]]:
+    import httpx
+    import msgspec
+
+    jobs = []
+    headers = {"Content-Type": "application/json"}
+    for tenant in range(TENANTS):
+        key = f"tml-bench-sample-{tenant}"
+        auth = {"X-API-Key": key}
+        session = httpx.post(
+            f"{base_url}/api/v1/create_session", json={"tags": [], "sdk_version": "bench"}, headers=auth
+        )
+        create = {
+            "session_id": session.json()["session_id"],
+            "sampling_session_seq_id": 0,
+            "base_model": "tiny-qwen3",
+        }
+        sampler = httpx.post(f"{base_url}/api/v1/create_sampling_session", json=create, headers=auth)
+        sampler_id = sampler.json()["sampling_session_id"]
+        for seq in range(per_tenant):
+            body = {
+                "type": "sample",
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": random_tokens(seq, 16, VOCAB)}]},
+                "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": seq},
+                "num_samples": 1,
+                "sampling_session_id": sampler_id,
+                "seq_id": seq,
+            }
+            jobs.append(("/api/v1/asample", key, msgspec.json.encode(body), headers))
+    return interleave(jobs, per_tenant)
+
+
+def interleave(jobs: list[Any], per_tenant: int) -> list[Any]:
+    """Round-robin over tenants, so every tenant's posts spread over the whole run."""
+    return [jobs[t * per_tenant + i] for i in range(per_tenant) for t in range(TENANTS)]
+
+
+def packing(nats_url: str, posted: dict[str, Any]) -> tuple[int, float]:
+    """(units the planner made for the burst's requests, mean datums per unit)."""
+    burst = {keyed.split("|", 1)[1] for keyed in posted["ids"]}
+    units = [e for e in events(nats_url) if event_tag(e) == "planned" and burst & set(e.requests)]
+    return len(units), len(burst) / max(len(units), 1)
+
+
+def throughput_row(name: str, posted: dict[str, Any], drain_s: float, failed: int) -> dict[str, Any]:
+    ok = posted["statuses"].get(200, 0)
+    lat = dist(posted["latencies"], 1e3)
+    return {
+        "what": name,
+        "posts": sum(posted["statuses"].values()),
+        "ok": ok,
+        "other": ", ".join(f"{code}: {n}" for code, n in posted["statuses"].items() if code != 200) or "-",
+        "sub_s": ok / posted["wall"],
+        "post_p50": lat["p50"],
+        "post_p99": lat["p99"],
+        "done_s": ok / drain_s,
+        "failed": failed,
+    }
+
+
+def main() -> None:
+    args = cpu_parser(__doc__ or "").parse_args()
+    reps, warmup = (10, 2) if args.quick else (200, 10)
+    per_tenant = 4 if args.quick else 125
+    header(
+        "Gateway overhead and submission throughput (tiny-qwen3, loopback)",
+        args.quick,
+        sequential_reps=reps,
+        warmup=warmup,
+        concurrent_clients=CLIENTS,
+        tenants=TENANTS,
+        posts_per_kind=TENANTS * per_tenant,
+    )
+    env = {"TINKERD_GATEWAY_SAMPLING_CAPACITY": "1000000"}
+    with running_stack(env) as stack:
+        model_id, calls = sequential_calls(stack.base_url, reps, warmup)
+        summary, stages = overhead_rows(stack.nats_url, model_id, calls)
+
+        rows = []
+        jobs, last = fb_jobs(stack.base_url, per_tenant)
+        start = time.perf_counter()
+        posted = asyncio.run(post_all(stack.base_url, jobs))
+        failed = asyncio.run(retrieve_all(stack.base_url, last))
+        rows.append(
+            throughput_row(
+                "forward_backward (protobuf, 64 tokens)", posted, time.perf_counter() - start, failed
+            )
+        )
+        rows[-1]["units"], rows[-1]["per_unit"] = packing(stack.nats_url, posted)
+
+        jobs = sample_jobs(stack.base_url, per_tenant)
+        start = time.perf_counter()
+        posted = asyncio.run(post_all(stack.base_url, jobs))
+        failed = asyncio.run(retrieve_all(stack.base_url, posted["ids"]))
+        rows.append(
+            throughput_row("asample (16 prompt + 16 new tokens)", posted, time.perf_counter() - start, failed)
+        )
+
+    table(
+        f"Per-call overhead, one client, sequential (ms; target: overhead p50 < {TARGET_P50_MS:.0f} ms)",
+        summary,
+        [
+            ("call", "call"),
+            ("n", "n"),
+            ("round trip p50", "rtt_p50"),
+            ("round trip p99", "rtt_p99"),
+            ("unit_done p50", "unit_p50"),
+            ("execute p50", "exec_p50"),
+            ("overhead p50", "ovh_p50"),
+            ("overhead p99", "ovh_p99"),
+            ("overhead vs execute p50", "ovhx_p50"),
+            ("overhead vs execute p99", "ovhx_p99"),
+            ("p50 < target", "met"),
+        ],
+    )
+    table(
+        "Where the round trip goes (ms, from event timestamps)",
+        stages,
+        [("call", "call"), ("stage", "stage"), ("p50", "p50"), ("p99", "p99")],
+    )
+    table(
+        f"Submissions from {CLIENTS} concurrent clients, {TENANTS} tenants",
+        rows,
+        [
+            ("request", "what"),
+            ("posts", "posts"),
+            ("200", "ok"),
+            ("other status", "other"),
+            ("submissions/s", "sub_s"),
+            ("post p50 ms", "post_p50"),
+            ("post p99 ms", "post_p99"),
+            ("completed/s (until last result)", "done_s"),
+            ("failed", "failed"),
+            ("trainer units", "units"),
+            ("datums per unit", "per_unit"),
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

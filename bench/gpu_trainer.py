@@ -1,0 +1,909 @@
+"""One-shot GPU benchmark of the trainer engine against Hugging Face transformers + PEFT.
+
+Everything runs in one process, in this order, each section isolated (an error is logged
+and recorded, the next section still runs):
+
+    env        versions, GPU, measured bf16 matmul ceiling
+    attention  fused backends (varlen_flash, flex_attention) vs per-document SDPA on a
+               GQA packed stream: forward/backward error against an fp32 reference, and
+               forward+backward time of the attention op alone
+    engine     TrainerEngine.forward_backward on a Qwen3-8B-shaped megatron model (random
+               bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
+               packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
+               other attention backends on the 4k batches; a torch.profiler table
+    optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1 and 64 slots
+               of a 64-slot pool (rank 32)
+    hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
+               rank 32 on q/k/v/o/gate/up/down and lm_head), same GPU; a profiler table
+
+Outputs under ``--out``: results.json (every number), summary.md (the tables),
+profile_engine.txt and profile_hf.txt (top kernels), and whatever the caller tees the log to.
+
+    python -m bench.gpu_trainer --out DIR            # the H200 run (docs/gpu.md)
+    python -m bench.gpu_trainer --out DIR --tiny     # CPU smoke test of every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import (  # noqa: E402
+    H200_PEAK_BF16,
+    QWEN3_8B,
+    TINY,
+    Results,
+    Shape,
+    markdown_table,
+    mfu,
+    summarize,
+    time_calls,
+    train_flops,
+)
+
+LORA_RANK = 32
+
+# (name, doc length, documents, tenants): tenants > 1 spreads the documents round-robin over
+# that many adapter slots (the packer sorts them into one contiguous segment per slot).
+ENGINE_WORKLOADS = [
+    ("1x1024", 1024, 1, 1),
+    ("2x1024", 1024, 2, 1),
+    ("4x1024", 1024, 4, 1),
+    ("1x4096", 4096, 1, 1),
+    ("8x1024", 1024, 8, 1),
+    ("2x4096", 4096, 2, 1),
+    ("1x8192", 8192, 1, 1),
+    ("16x256", 256, 16, 1),
+    ("16x256 8 tenants", 256, 16, 8),
+    ("8x1024 8 tenants", 1024, 8, 8),
+]
+HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
+BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
+VARIANTS = ["fast-lora", "sync-free-rope", "fast-lora+sync-free-rope"]
+VARIANT_WORKLOADS = ["4x1024", "1x4096", "16x256", "16x256 8 tenants", "8x1024", "8x1024 8 tenants"]
+PROFILE_WORKLOAD = "4x1024"
+TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results = Results(self.out / "results.json")
+        self.tiny = args.tiny
+        self.shape: Shape = TINY if args.tiny else QWEN3_8B
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.start = time.monotonic()
+        self.model_dir = Path(tempfile.mkdtemp(prefix="bench-model-"))
+        (self.model_dir / "config.json").write_text(json.dumps(self.shape.hf_config()))
+        self.ceiling = H200_PEAK_BF16
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.usable_backends: set[str] = set()
+
+    # ---- plumbing ----
+
+    def log(self, *parts: Any) -> None:
+        print(f"[{time.monotonic() - self.start:7.1f}s]", *parts, flush=True)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_left(self) -> float:
+        return self.args.deadline - (time.monotonic() - self.start)
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.log(f"== {name}")
+        try:
+            yield
+        except Exception:
+            text = traceback.format_exc()
+            self.log(f"!! {name} failed:\n{text}")
+            self.results.error(name, text)
+        finally:
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def doc_len(self, n: int) -> int:
+        return TINY_LEN.get(n, max(2, n // 64)) if self.tiny else n
+
+    def peak_reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+
+    def row(self, table: str, row: dict[str, Any]) -> None:
+        self.rows.setdefault(table, []).append(row)
+        self.results.put("rows", table, self.rows[table])
+
+    # ---- sections ----
+
+    def env(self) -> None:
+        info: dict[str, Any] = {"torch": torch.__version__, "device": str(self.device), "python": sys.version}
+        for mod in ("megatron.core", "transformers", "peft", "transformer_engine"):
+            try:
+                module = __import__(mod, fromlist=["__version__"])
+                info[mod] = getattr(module, "__version__", "?")
+            except Exception as exc:
+                info[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+        for mod in ("torch.nn.attention.varlen", "torch.nn.attention.flex_attention"):
+            try:
+                __import__(mod)
+                info[mod] = "ok"
+            except Exception as exc:
+                info[mod] = f"unavailable: {exc}"
+        if self.cuda:
+            props = torch.cuda.get_device_properties(0)
+            info["gpu"] = props.name
+            info["sms"] = props.multi_processor_count
+            info["gpu_mem_gib"] = props.total_memory / 2**30
+            n = 8192
+            a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+            times, _ = time_calls(lambda: a @ b, 3, 10, self.sync)
+            info["matmul_8192_bf16_tflops"] = 2 * n**3 / summarize(times)["median_s"] / 1e12
+            del a, b
+        self.log(json.dumps(info, indent=1))
+        self.results.put("env", "info", info)
+
+    def attention(self) -> None:
+        from services.trainer.attention import ATTENTION_BACKENDS
+
+        s = self.shape
+
+        class Cfg:
+            num_attention_heads, num_query_groups = s.heads, s.groups
+            kv_channels, tensor_model_parallel_size = s.head_dim, 1
+
+        class Packed:
+            def __init__(self, lens: list[int], device: torch.device) -> None:
+                self.cu_seqlens_q = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=device)
+                self.max_seqlen_q = max(lens)
+
+        def qkv(total: int, dtype: torch.dtype, grad: bool) -> list[torch.Tensor]:
+            heads = (s.heads, s.groups, s.groups)
+            return [
+                torch.randn(total, h, s.head_dim, device=self.device, dtype=dtype).requires_grad_(grad)
+                for h in heads
+            ]
+
+        backends = ["sdpa_per_document"] + (
+            ["varlen_flash", "flex_attention"] if self.cuda else ["flex_attention"]
+        )
+        # Correctness: uneven documents, fresh random inputs, error vs an fp32 reference.
+        # Sums to 4096 so that compiled flex_attention sees one shape in this whole run.
+        lens = [1000, 37, 2048, 1, 1010] if not self.tiny else [9, 1, 17, 5]
+        packed = Packed(lens, self.device)
+        ref_inputs = qkv(sum(lens), torch.float32, grad=self.cuda)
+        grad_out = torch.randn(sum(lens), s.heads * s.head_dim, device=self.device)
+        ref_mod = ATTENTION_BACKENDS["sdpa_per_document"](Cfg(), 1, None, "self")
+        ref_out = ref_mod(*ref_inputs, None, packed_seq_params=packed)
+        ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out) if self.cuda else None
+        baseline = 0.0
+        for name in backends:
+            try:
+                mod = ATTENTION_BACKENDS[name](Cfg(), 1, None, "self")
+                inputs = [x.detach().to(self.dtype).requires_grad_(self.cuda) for x in ref_inputs]
+                t0 = time.perf_counter()
+                out = mod(*inputs, None, packed_seq_params=packed)
+                check: dict[str, Any] = {"out_rel_err": _rel(out, ref_out)}
+                if self.cuda:
+                    grads = torch.autograd.grad(out, inputs, grad_out.to(self.dtype))
+                    for label, g, r in zip("qkv", grads, ref_grads or [], strict=True):
+                        check[f"d{label}_rel_err"] = _rel(g, r)
+                self.sync()
+                check["first_call_s"] = time.perf_counter() - t0
+            except Exception:
+                self.log("!! check", name, traceback.format_exc())
+                self.results.error(f"attention/{name}", traceback.format_exc())
+                continue
+            # bf16 inputs alone cost about 3e-3; allow that and twice the bf16 SDPA error.
+            tolerance = max(2e-2, 2 * baseline) if self.dtype == torch.bfloat16 else 1e-5
+            errors = [v for k, v in check.items() if k.endswith("rel_err")]
+            if name == "sdpa_per_document":
+                baseline = max(errors)
+            if all(e <= tolerance for e in errors):  # NaN fails too
+                self.usable_backends.add(name)
+            check["passed"] = name in self.usable_backends
+            self.log("check", name, check)
+            self.results.put("attention_check", name, check)
+        if not self.cuda:
+            return
+        # Speed of the op alone, forward + backward, on the engine's 4k/8k batch layouts.
+        for layout in ([1024] * 4, [4096], [8192], [256] * 16):
+            total = sum(layout)
+            packed = Packed(layout, self.device)
+            flops = train_flops(self.shape, layout, 0)["attention"] / s.layers
+            for name in backends:
+                if name not in self.usable_backends:
+                    continue
+                if name == "flex_attention" and total != 4096:
+                    continue  # one compiled shape is enough; keeps compile time out of the budget
+                mod = ATTENTION_BACKENDS[name](Cfg(), 1, None, "self")
+                inputs = qkv(total, self.dtype, grad=True)
+                g = torch.randn(total, s.heads * s.head_dim, device=self.device, dtype=self.dtype)
+
+                def step(
+                    mod: Any = mod, inputs: list[torch.Tensor] = inputs, g: torch.Tensor = g, p: Any = packed
+                ) -> Any:
+                    out = mod(*inputs, None, packed_seq_params=p)
+                    return torch.autograd.grad(out, inputs, g)
+
+                times, _ = time_calls(step, 2, 10, self.sync)
+                stat = summarize(times)
+                row = {
+                    "layout": f"{len(layout)}x{layout[0]}",
+                    "backend": name,
+                    "ms": stat["median_s"] * 1e3,
+                    "tflops": flops / stat["median_s"] / 1e12,
+                }
+                self.log("attn", row)
+                self.row("attention_speed", row)
+
+    def build_engine(self, backend: str, num_slots: int) -> Any:
+        import services.trainer.model as model_mod
+        from services.trainer.engine import EngineConfig, TrainerEngine
+
+        def random_weights(model: Any, model_dir: Any, shape: Any) -> None:
+            """Bench-only stand-in for the checkpoint: N(0, 0.02) matrices, unit norms."""
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "norm" in name:
+                        param.fill_(1.0)
+                    else:
+                        param.normal_(0.0, 0.02)
+
+        from services.trainer.parallel import ensure_model_parallel
+
+        ensure_model_parallel(self.device.type)
+        if self.cuda:  # harmless; keeps any megatron RNG fork on the GPU path well defined
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+        original = model_mod.load_hf_weights
+        model_mod.load_hf_weights = random_weights  # type: ignore[assignment]
+        try:
+            t0 = time.perf_counter()
+            engine = TrainerEngine(
+                EngineConfig(
+                    str(self.model_dir),
+                    num_slots=num_slots,
+                    max_lora_rank=LORA_RANK,
+                    device=self.device.type,
+                    dtype=self.dtype,
+                    attention_backend=backend,
+                )
+            )
+            self.sync()
+            self.log(f"engine built in {time.perf_counter() - t0:.1f}s ({backend}, {num_slots} slots)")
+        finally:
+            model_mod.load_hf_weights = original
+        return engine
+
+    def datums(self, doc_len: int, docs: int, tenants: int, seed: int = 0) -> list[Any]:
+        from services.trainer.engine import DatumInput
+
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(docs):
+            seq = rng.integers(0, self.shape.vocab, doc_len + 1)
+            weights = np.ones(doc_len, dtype=np.float32)
+            out.append(DatumInput(i % tenants, seq[:-1], {"target_tokens": seq[1:], "weights": weights}))
+        return out
+
+    def measure(self, fn: Callable[[], Any], lens: list[int]) -> dict[str, Any]:
+        self.peak_reset()
+        times, result = time_calls(fn, self.args.warmup, self.args.iters, self.sync)
+        stat = summarize(times)
+        flops = train_flops(self.shape, lens, LORA_RANK)
+        tokens = sum(lens)
+        return {
+            "tokens": tokens,
+            "median_s": stat["median_s"],
+            "min_s": stat["min_s"],
+            "max_s": stat["max_s"],
+            "tokens_per_s": tokens / stat["median_s"],
+            "tflops": flops["total"] / stat["median_s"] / 1e12,
+            "mfu": mfu(flops["total"], stat["median_s"]),
+            "attention_flop_share": flops["attention"] / flops["total"],
+            "peak_gib": self.peak_gib(),
+            "result": result,
+        }
+
+    def engine(self) -> None:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from services.trainer.attention import ATTENTION_BACKENDS
+        from services.trainer.optim import AdamParams
+
+        backend = "sdpa_per_document"
+        if self.cuda:
+            usable = [b for b in ("varlen_flash", "flex_attention") if b in self.usable_backends]
+            backend = usable[0] if usable else backend
+        self.peak_reset()
+        engine = self.build_engine(backend, num_slots=8)
+        self.results.put("engine", "build_peak_gib", self.peak_gib())
+        for slot in range(8):
+            engine.init_slot(slot, rank=LORA_RANK, seed=slot)
+        with torch.no_grad():  # non-zero B, so every adapter changes the logits (same speed)
+            for adapter in engine.pool.adapters.values():
+                adapter.lora_B.normal_(0.0, 1e-3)
+
+        def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
+            n = self.doc_len(doc_len)
+            datums = self.datums(n, docs, tenants)
+
+            def step() -> float:
+                outs = engine.forward_backward(datums, "cross_entropy")
+                return float(sum(o.loss for o in outs))
+
+            m = self.measure(step, [n] * docs)
+            m.update(
+                workload=name, backend=label, tenants=tenants, loss_finite=bool(np.isfinite(m.pop("result")))
+            )
+            self.log("engine", {k: v for k, v in m.items()})
+            self.row("engine", m)
+            return m
+
+        by_name = {w[0]: w for w in ENGINE_WORKLOADS}
+        for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
+            if self.time_left() < 240:
+                self.log("skipping", name, "(deadline)")
+                continue
+            run(name, doc_len, docs, tenants, backend)
+
+        def swap(to: str) -> None:
+            cls = ATTENTION_BACKENDS[to]
+            for layer in engine.model.decoder.layers:
+                attn = layer.self_attention
+                attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
+
+        others = [b for b in ("sdpa_per_document", "flex_attention") if b != backend] if self.cuda else []
+        for other in others:
+            swap(other)
+            for name in BACKEND_WORKLOADS:
+                if self.time_left() < 200:
+                    continue
+                try:
+                    # One probe step first: a backend that recompiles on every forward would
+                    # eat the whole budget, so it is recorded and skipped instead.
+                    _, doc_len, docs, tenants = by_name[name]
+                    probe = self.datums(self.doc_len(doc_len), docs, tenants)
+                    engine.forward_backward(probe, "cross_entropy")
+                    self.sync()
+                    t0 = time.perf_counter()
+                    engine.forward_backward(probe, "cross_entropy")
+                    self.sync()
+                    if time.perf_counter() - t0 > 10.0:
+                        raise RuntimeError(f"{other}: a warm step took {time.perf_counter() - t0:.1f}s")
+                    run(*by_name[name], label=other)
+                except Exception:
+                    self.results.error(f"engine/{other}/{name}", traceback.format_exc())
+                    self.log("!!", other, name, traceback.format_exc())
+        swap(backend)
+
+        # Where the host waits for the GPU during one step (each wait drains the launch queue).
+        name, doc_len, docs, tenants = by_name[PROFILE_WORKLOAD]
+        datums = self.datums(self.doc_len(doc_len), docs, tenants)
+        self.sync_audit(lambda: engine.forward_backward(datums, "cross_entropy"), "base")
+
+        # Experiments (bench-only patches, not the trainer's code): a constant-kernel-count
+        # LoRA delta and a sync-free THD RoPE; each checked against the trainer's own numbers.
+        check = self.datums(self.doc_len(256), 16, 8, seed=7)
+        ref = engine.forward_backward(check, "cross_entropy", forward_only=True)
+        for label in VARIANTS:
+            with variant(label):
+                got = engine.forward_backward(check, "cross_entropy", forward_only=True)
+                diff = max(
+                    float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(ref, got, strict=True)
+                )
+                self.results.put("variant_check", label, {"max_abs_logprob_diff": diff})
+                self.log(label, "max |logprob diff| vs the trainer as is:", diff)
+                for name in VARIANT_WORKLOADS:
+                    if self.time_left() < 170:
+                        continue
+                    run(*by_name[name], label=f"{backend} +{label}")
+                if label == VARIANTS[-1]:
+                    self.sync_audit(lambda: engine.forward_backward(datums, "cross_entropy"), label)
+
+        # Profiles of one step (after the warm runs above): as is, and with both patches.
+        self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine")
+        with variant(VARIANTS[-1]):
+            self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine_patched")
+
+        # Optimizer on the engine's own 8-slot pool (grads exist from the steps above).
+        hp = AdamParams(learning_rate=1e-5)
+        for count in (1, 8):
+            slots = {s: hp for s in range(count)}
+            times, _ = time_calls(functools.partial(engine.optim_step, slots), 1, 5, self.sync)
+            row = {"pool_slots": 8, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
+            self.log("optim", row)
+            self.row("optimizer", row)
+
+    def sync_audit(self, fn: Callable[[], Any], label: str) -> None:
+        """Count host-device synchronisations of one call, by Python source line."""
+        if not self.cuda:
+            return
+        import warnings
+
+        fn()
+        self.sync()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where: dict[str, int] = {}
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                site = f"{w.filename}:{w.lineno}"
+                where[site] = where.get(site, 0) + 1
+        top = dict(sorted(where.items(), key=lambda kv: -kv[1])[:15])
+        summary = {"syncs": sum(where.values()), "by_site": top}
+        self.log("sync audit", label, json.dumps(summary, indent=1))
+        self.results.put("sync_audit", label, summary)
+
+    def profile(self, fn: Callable[[], Any], label: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        fn()
+        self.sync()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            fn()
+            self.sync()
+        wall = time.perf_counter() - t0
+        averages = prof.key_averages()
+        table = ""
+        for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                table = averages.table(sort_by=key, row_limit=45, max_name_column_width=90)
+                break
+            except Exception:
+                continue
+        from torch.autograd import DeviceType
+
+        categories: dict[str, float] = {}
+        kernel_us = 0.0
+        for event in averages:
+            # Kernels and copies only: an aten op's device time repeats its kernels' time.
+            if getattr(event, "device_type", None) != DeviceType.CUDA:
+                continue
+            us = float(getattr(event, "self_device_time_total", 0.0) or 0.0)
+            if us <= 0:
+                continue
+            kernel_us += us
+            cat = _kernel_category(event.key)
+            categories[cat] = categories.get(cat, 0.0) + us
+        summary = {
+            "profiled_wall_s": wall,
+            "gpu_kernel_s": kernel_us / 1e6,
+            "kernel_s_over_profiled_wall": kernel_us / 1e6 / wall if wall else None,
+            "kernel_s_by_category": {
+                k: v / 1e6 for k, v in sorted(categories.items(), key=lambda kv: -kv[1])
+            },
+            "ops_launched": sum(e.count for e in averages),
+        }
+        self.log("profile", label, json.dumps(summary, indent=1))
+        self.results.put("profile", label, summary)
+        (self.out / f"profile_{label}.txt").write_text(json.dumps(summary, indent=1) + "\n\n" + table)
+
+    def optimizer64(self) -> None:
+        from transformers import AutoConfig
+
+        from services.trainer.convert import ModelShape
+        from services.trainer.lora import AdapterPool, SlotConfig
+        from services.trainer.optim import AdamParams, SlotAdamW
+
+        shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(self.model_dir)))
+        slots = 64
+        self.peak_reset()
+        with torch.device(self.device):
+            pool = AdapterPool(shape, slots, LORA_RANK, device=self.device.type)
+        optimizer = SlotAdamW()
+        with torch.no_grad():
+            for p in pool.parameters():
+                p.normal_(0.0, 0.01)
+                p.grad = torch.randn_like(p) * 1e-3
+        for s in range(slots):
+            pool.routing.configs[s] = SlotConfig(LORA_RANK, s)
+        hp = AdamParams(learning_rate=1e-5)
+
+        def step(count: int) -> None:
+            for s in range(count):
+                optimizer.step(s, pool.slot_tensors(s), hp)
+
+        step(slots)  # allocates the moments
+        self.sync()
+        for count in (1, slots):
+            times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 1 else 5, self.sync)
+            row = {"pool_slots": slots, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
+            self.log("optim", row)
+            self.row("optimizer", row)
+        params = sum(p.numel() for p in pool.parameters())
+        self.results.put(
+            "optimizer",
+            "pool64",
+            {"params": params, "peak_gib": self.peak_gib(), "params_per_slot": params // slots},
+        )
+
+    def hf(self) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(str(self.model_dir))
+        self.peak_reset()
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype, attn_implementation="sdpa")
+        model.requires_grad_(False)
+        lora = LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "lm_head",
+            ],
+        )
+        model = get_peft_model(model, lora)
+        model.train()
+        self.sync()
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+        self.log(f"hf+peft built in {time.perf_counter() - t0:.1f}s, trainable {trainable}, {adapter_dtypes}")
+        self.results.put(
+            "hf",
+            "build",
+            {"trainable": trainable, "adapter_dtypes": adapter_dtypes, "peak_gib": self.peak_gib()},
+        )
+        by_name = {w[0]: w for w in ENGINE_WORKLOADS}
+        profile_batch = None
+        for name in HF_WORKLOADS:
+            if self.time_left() < 60:
+                self.log("skipping hf", name, "(deadline)")
+                continue
+            _, doc_len, docs, _ = by_name[name]
+            n = self.doc_len(doc_len)
+            rng = np.random.default_rng(0)
+            ids = torch.from_numpy(rng.integers(0, self.shape.vocab, (docs, n))).to(self.device)
+
+            def step(ids: torch.Tensor = ids) -> float:
+                out = model(input_ids=ids, labels=ids)
+                out.loss.backward()
+                return float(out.loss.detach())
+
+            if name == PROFILE_WORKLOAD:
+                profile_batch = step
+            m = self.measure(step, [n] * docs)
+            m.update(
+                workload=name,
+                backend="hf+peft sdpa",
+                tenants=1,
+                loss_finite=bool(np.isfinite(m.pop("result"))),
+            )
+            self.log("hf", m)
+            self.row("hf", m)
+        if profile_batch is not None and self.time_left() > 30:
+            self.profile(profile_batch, "hf")
+
+    def summary(self) -> None:
+        rows = self.rows
+        engine = rows.get("engine", [])
+        hf = {r["workload"]: r for r in rows.get("hf", [])}
+        main = (
+            [
+                r
+                for r in engine
+                if r["backend"] in ("varlen_flash", "sdpa_per_document")
+                and r["backend"] == engine[0]["backend"]
+            ]
+            if engine
+            else []
+        )
+        table = []
+        for r in main:
+            h = hf.get(r["workload"]) if r["tenants"] == 1 else None
+            table.append(
+                {
+                    "workload": r["workload"],
+                    "tokens": r["tokens"],
+                    "ms": r["median_s"] * 1e3,
+                    "tok_s": r["tokens_per_s"],
+                    "mfu": 100 * r["mfu"],
+                    "peak": r["peak_gib"],
+                    "hf_tok_s": h["tokens_per_s"] if h else None,
+                    "hf_mfu": 100 * h["mfu"] if h else None,
+                    "hf_peak": h["peak_gib"] if h else None,
+                    "speedup": r["tokens_per_s"] / h["tokens_per_s"] if h else None,
+                }
+            )
+        parts = [
+            "## Engine (" + (engine[0]["backend"] if engine else "?") + ") vs HF+PEFT\n",
+            markdown_table(
+                table,
+                [
+                    ("workload", "workload"),
+                    ("tokens", "tokens"),
+                    ("engine ms", "ms"),
+                    ("engine tok/s", "tok_s"),
+                    ("engine MFU %", "mfu"),
+                    ("engine peak GiB", "peak"),
+                    ("HF+PEFT tok/s", "hf_tok_s"),
+                    ("HF+PEFT MFU %", "hf_mfu"),
+                    ("HF peak GiB", "hf_peak"),
+                    ("speedup", "speedup"),
+                ],
+            ),
+        ]
+        alt = [r for r in engine if r not in main]
+        if alt:
+            parts += [
+                "\n## Other attention backends in the engine\n",
+                markdown_table(
+                    [dict(r, ms=r["median_s"] * 1e3, mfu_pct=100 * r["mfu"]) for r in alt],
+                    [
+                        ("backend", "backend"),
+                        ("workload", "workload"),
+                        ("ms", "ms"),
+                        ("tok/s", "tokens_per_s"),
+                        ("MFU %", "mfu_pct"),
+                        ("peak GiB", "peak_gib"),
+                    ],
+                ),
+            ]
+        for label in dict.fromkeys(r["backend"] for r in engine):
+            by = {r["workload"]: r for r in engine if r["backend"] == label}
+            for multi, single in (("16x256 8 tenants", "16x256"), ("8x1024 8 tenants", "8x1024")):
+                if multi in by and single in by:
+                    ratio = by[multi]["tokens_per_s"] / by[single]["tokens_per_s"]
+                    self.results.put("targets", f"tenant_ratio {label} {multi}", ratio)
+                    parts.append(f"\n8 tenants / 1 tenant ({label}), {single}: {ratio:.3f}")
+        if rows.get("attention_speed"):
+            parts += [
+                "\n## Attention op alone (fwd+bwd, one layer)\n",
+                markdown_table(
+                    rows["attention_speed"],
+                    [("layout", "layout"), ("backend", "backend"), ("ms", "ms"), ("TFLOP/s", "tflops")],
+                ),
+            ]
+        if rows.get("optimizer"):
+            parts += [
+                "\n## optim_step\n",
+                markdown_table(
+                    rows["optimizer"],
+                    [("pool slots", "pool_slots"), ("slots stepped", "stepped_slots"), ("ms", "ms")],
+                ),
+            ]
+        text = "\n".join(parts) + "\n"
+        (self.out / "summary.md").write_text(text)
+        print(text, flush=True)
+
+
+def _fast_delta(self: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """Bench-only experiment, not the trainer's code: ``SlotAdapter.delta`` with a fixed
+    number of kernels per module whatever the number of tenants.
+
+    One slot: ``((x @ A^T) * scaling) @ B^T`` with no pad/cat copies of the [T, out] output.
+    Several slots: the active slots' adapters side by side, ``h = x @ [A_1; ..; A_S]^T``
+    ([T, S*r_max]), each token's h zeroed outside its own slot's block and scaled by it (a
+    [T, S] mask built once per forward), then one ``h @ [B_1 .. B_S]^T``.  Ranks below r_max
+    are exact because rows/columns past a slot's rank are zero.  Costs S times the LoRA
+    FLOPs (about 1.5% of the step per slot at rank 32) but launches O(1) kernels.
+    """
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    region = (
+        copy_to_tensor_model_parallel_region
+        if self.target.column_parallel
+        else reduce_from_tensor_model_parallel_region
+    )
+    routing, group = self.routing, self.target.group
+    active = [s for s in routing.segments if routing.configs[s.slot].trains(group)]
+    if not active:
+        return None
+    slots = sorted({s.slot for s in active})
+    covered = sum(s.end - s.start for s in active) == x.shape[0]
+    if len(slots) == 1 and covered:
+        cfg = routing.configs[slots[0]]
+        a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
+        h = region((x @ a.t()) * cfg.scaling)  # [T, 1, r]
+        b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
+        return h @ b.t()  # [T, 1, out]
+    # Per forward (segments list) and group: the [T, S] mask and the slot index, built once on
+    # the host and copied once, so the 145 adapters of one forward cause no host round trip.
+    cache: tuple[Any, dict[Any, tuple[torch.Tensor, torch.Tensor]]] | None
+    cache = getattr(routing, "_bench_cache", None)
+    if cache is None or cache[0] is not routing.segments:
+        cache = (routing.segments, {})
+        routing._bench_cache = cache
+    key = (group, x.device, x.dtype)
+    if key not in cache[1]:
+        mask = torch.zeros(x.shape[0], len(slots))
+        for seg in active:
+            mask[seg.start : seg.end, slots.index(seg.slot)] = routing.configs[seg.slot].scaling
+        cache[1][key] = (mask.to(x.device, x.dtype), torch.tensor(slots, device=x.device))
+    mask, index = cache[1][key]  # [T, S], [S]
+    n, r = len(slots), self.max_rank
+    a = self.lora_A.index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
+    h = region(x @ a.t())  # [T, 1, S*r]
+    h = (h.view(-1, 1, n, r) * mask.view(-1, 1, n, 1)).view(-1, 1, n * r)
+    b = self.lora_B.index_select(0, index).to(x.dtype)  # [S, out, r]
+    return h @ b.permute(1, 0, 2).reshape(b.shape[1], n * r).t()  # [T, 1, out]
+
+
+@contextmanager
+def fast_lora() -> Iterator[None]:
+    from services.trainer.lora import SlotAdapter
+
+    original = SlotAdapter.delta
+    SlotAdapter.delta = _fast_delta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SlotAdapter.delta = original  # type: ignore[method-assign]
+
+
+_POSITIONS: dict[str, Any] = {"key": None, "pos": None}
+
+
+def _thd_rope_gather(
+    t: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    freqs: torch.Tensor,
+    rotary_interleaved: bool = False,
+    multi_latent_attention: bool = False,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+) -> torch.Tensor:
+    """Bench-only experiment: megatron's THD RoPE without its host syncs.
+
+    megatron 0.16.1 (``rope_utils._apply_rotary_pos_emb_thd``) reads the document lengths
+    back to the host (``.tolist()``, and ``freqs.size(0) == cu_seqlens[-1]``) twice per
+    layer, then slices and concatenates the frequencies document by document.  Positions
+    restart at 0 in every document, so the same frequencies are ``freqs[pos]`` with
+    ``pos = t - cu_seqlens[doc(t)]``, computed on the device once per forward.  At context
+    parallel size 1 the result is bit-identical.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from services.trainer.attention import document_ids
+
+    if cp_group is not None and cp_group.size() > 1:
+        raise NotImplementedError("bench RoPE patch is for context parallel size 1")
+    total = t.shape[0]
+    if _POSITIONS["key"] is not cu_seqlens:
+        doc = document_ids(cu_seqlens, total)  # [T]
+        pos = torch.arange(total, device=t.device) - cu_seqlens.long()[doc]  # [T]
+        _POSITIONS.update(key=cu_seqlens, pos=pos)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs[_POSITIONS["pos"]],  # [T, 1, 1, d]
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+        mscale=mscale,
+    ).squeeze(1)
+
+
+@contextmanager
+def sync_free_rope() -> Iterator[None]:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    rope_utils._apply_rotary_pos_emb_thd = _thd_rope_gather
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_thd = original
+
+
+@contextmanager
+def variant(name: str) -> Iterator[None]:
+    """``base``, ``fast-lora``, ``sync-free-rope`` or ``fast-lora+sync-free-rope``."""
+    with contextlib.ExitStack() as stack:
+        if "fast-lora" in name:
+            stack.enter_context(fast_lora())
+        if "sync-free-rope" in name:
+            stack.enter_context(sync_free_rope())
+        yield
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x64, r64 = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x64).all():
+        return float("nan")
+    return float(torch.linalg.vector_norm(x64 - r64) / torch.linalg.vector_norm(r64))
+
+
+_CATEGORIES = [
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|flex", re.I)),
+    ("cross_entropy/softmax", re.compile(r"softmax|log_softmax|nll|cross_entropy|logsumexp", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+    ("copy/cast", re.compile(r"copy|cast|contiguous|cat|pad|index|gather|scatter", re.I)),
+    ("reduce", re.compile(r"reduce", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|silu|mul|add|fill", re.I)),
+]
+
+
+def _kernel_category(name: str) -> str:
+    for label, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    parser.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
+    parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is present")
+    parser.add_argument("--sections", default="env,attention,engine,optimizer,hf")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
+    args = parser.parse_args(argv)
+    bench = Bench(args)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    wanted = args.sections.split(",")
+    for name in ("env", "attention", "engine", "optimizer", "hf"):
+        if name not in wanted:
+            continue
+        with bench.section(name):
+            {
+                "env": bench.env,
+                "attention": bench.attention,
+                "engine": bench.engine,
+                "optimizer": bench.optimizer64,
+                "hf": bench.hf,
+            }[name]()
+    with bench.section("summary"):
+        bench.summary()
+    bench.log("done; errors:", len(bench.results.data["errors"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

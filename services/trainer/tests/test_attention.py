@@ -1,0 +1,169 @@
+"""The fused attention backends compute the per-document causal attention of the CPU ones.
+
+flex_attention runs eagerly on CPU (forward only: torch has no CPU backward for it), so it is
+checked here against ``PerDocumentSdpa`` on random packed streams and through the engine's
+``logits``.  ``varlen_flash`` is CUDA-only: on CPU it must refuse clearly; its numbers (and
+flex_attention's gradients) are checked where a GPU is present, and by ``bench/gpu_trainer.py``
+on the H200 (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.trainer.attention import (
+    ATTENTION_BACKENDS,
+    FlexDocumentAttention,
+    PerDocumentSdpa,
+    VarlenFlashAttention,
+    document_ids,
+)
+from services.trainer.engine import DatumInput, EngineConfig, TrainerEngine
+from services.trainer.tests.helpers import assert_close_scaled, random_tokens
+
+
+def _cfg(heads: int, groups: int, head_dim: int) -> object:
+    class Cfg:
+        num_attention_heads, num_query_groups, kv_channels = heads, groups, head_dim
+        tensor_model_parallel_size = 1
+
+    return Cfg()
+
+
+class _Packed:
+    def __init__(self, lengths: list[int], device: str = "cpu") -> None:
+        self.cu_seqlens_q = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=device)
+        self.max_seqlen_q = max(lengths)
+
+
+def _qkv(
+    gen: torch.Generator, total: int, heads: int, groups: int, d: int, dtype: torch.dtype, device: str = "cpu"
+) -> list[torch.Tensor]:
+    return [
+        torch.randn(total, h, d, generator=gen, dtype=dtype).to(device) for h in (heads, groups, groups)
+    ]  # q [T, heads, d], k and v [T, groups, d]
+
+
+def test_fused_backends_are_registered() -> None:
+    assert ATTENTION_BACKENDS["flex_attention"] is FlexDocumentAttention
+    assert ATTENTION_BACKENDS["varlen_flash"] is VarlenFlashAttention
+
+
+def test_document_ids() -> None:
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    assert document_ids(cu, 9).tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("heads", "groups"), [(4, 2), (4, 4), (6, 1)])
+def test_flex_matches_per_document_sdpa(dtype: torch.dtype, heads: int, groups: int) -> None:
+    """Random document layouts (single tokens, one long document, many short ones)."""
+    gen = torch.Generator().manual_seed(heads * 10 + groups)
+    cfg = _cfg(heads, groups, 8)
+    flex, ref = FlexDocumentAttention(cfg, 1, None, "self"), PerDocumentSdpa(cfg, 1, None, "self")
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for lengths in ([5, 1, 6], [1], [17], [1, 1, 1, 1], [3, 40, 2, 1, 9]):
+        q, k, v = _qkv(gen, sum(lengths), heads, groups, 8, dtype)
+        packed = _Packed(lengths)
+        got = flex(q, k, v, None, packed_seq_params=packed)
+        want = ref(q, k, v, None, packed_seq_params=packed)
+        assert got.shape == want.shape == (sum(lengths), heads * 8)
+        assert_close_scaled(got, want, tol, f"lengths {lengths}")
+
+
+def test_flex_unpacked_layout_matches() -> None:
+    """[s, b, heads, d] without PackedSeqParams: every batch row is one causal document."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = _cfg(4, 2, 8)
+    q = torch.randn(7, 3, 4, 8, generator=gen)  # [s, b, heads, d]
+    k = torch.randn(7, 3, 2, 8, generator=gen)
+    v = torch.randn(7, 3, 2, 8, generator=gen)
+    got = FlexDocumentAttention(cfg, 1, None, "self")(q, k, v, None)
+    want = PerDocumentSdpa(cfg, 1, None, "self")(q, k, v, None)
+    assert got.shape == want.shape == (7, 3, 32)
+    assert_close_scaled(got, want, 1e-5, "unpacked")
+
+
+def test_flex_padding_is_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path pads the stream to a multiple of 128 (pads form their own document)."""
+    from services.trainer import attention
+
+    monkeypatch.setattr(attention, "_flex_pads", lambda q: True)
+    gen = torch.Generator().manual_seed(8)
+    cfg = _cfg(4, 2, 8)
+    lengths = [50, 1, 80]  # 131 tokens: padded to 256
+    q, k, v = _qkv(gen, sum(lengths), 4, 2, 8, torch.float64)
+    got = FlexDocumentAttention(cfg, 1, None, "self")(q, k, v, None, packed_seq_params=_Packed(lengths))
+    want = PerDocumentSdpa(cfg, 1, None, "self")(q, k, v, None, packed_seq_params=_Packed(lengths))
+    assert got.shape == want.shape
+    assert_close_scaled(got, want, 1e-12, "padded")
+
+
+def test_flex_block_mask_is_built_once_per_stream() -> None:
+    """Layers of one forward share the cu_seqlens tensor; the second call reuses the mask."""
+    from services.trainer import attention
+
+    gen = torch.Generator().manual_seed(4)
+    cfg = _cfg(4, 2, 8)
+    packed = _Packed([5, 7])
+    q, k, v = _qkv(gen, 12, 4, 2, 8, torch.float32)
+    FlexDocumentAttention(cfg, 1, None, "self")(q, k, v, None, packed_seq_params=packed)
+    first = attention._FLEX_MASKS.mask
+    FlexDocumentAttention(cfg, 2, None, "self")(q, k, v, None, packed_seq_params=packed)
+    assert attention._FLEX_MASKS.mask is first
+    other = _Packed([5, 7])  # equal values, new tensor: a new forward, a new mask
+    FlexDocumentAttention(cfg, 1, None, "self")(q, k, v, None, packed_seq_params=other)
+    assert attention._FLEX_MASKS.mask is not first
+
+
+def test_varlen_refuses_cpu_tensors() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _qkv(gen, 6, 4, 2, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        VarlenFlashAttention(_cfg(4, 2, 8), 1, None, "self")(q, k, v, None, packed_seq_params=_Packed([6]))
+
+
+def test_engine_logits_with_flex_match_default(qwen_dir: Path, engines: dict[str, TrainerEngine]) -> None:
+    """A whole packed forward through megatron with flex_attention equals the default backend."""
+    default = engines["tiny-qwen3"]
+    flex = TrainerEngine(
+        EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, attention_backend="flex_attention")
+    )
+    rng = np.random.default_rng(11)
+    docs = [random_tokens(rng, n)[0] for n in (9, 1, 14, 5)]
+    for engine in (default, flex):
+        engine.init_slot(0, rank=4, seed=0)
+    try:
+        want = default.logits([DatumInput(0, d) for d in docs])
+        got = flex.logits([DatumInput(0, d) for d in docs])
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_close_scaled(g, w, 1e-5, f"doc {i}")
+    finally:
+        default.release_slot(0)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["varlen_flash", "flex_attention"])
+def test_fused_backend_forward_backward_on_cuda(backend: str) -> None:
+    """bf16 output and q/k/v gradients within bf16 error of the fp32 per-document reference."""
+    gen = torch.Generator().manual_seed(6)
+    cfg = _cfg(8, 2, 64)
+    lengths = [100, 1, 300, 110]  # 511 tokens: flex_attention pads to 512
+    packed = _Packed(lengths, "cuda")
+    ref_in = [x.requires_grad_() for x in _qkv(gen, sum(lengths), 8, 2, 64, torch.float32, "cuda")]
+    grad_out = torch.randn(sum(lengths), 8 * 64, generator=gen).cuda()
+    want = PerDocumentSdpa(cfg, 1, None, "self")(*ref_in, None, packed_seq_params=packed)
+    want_grads = torch.autograd.grad(want, ref_in, grad_out)
+    inputs = [x.detach().bfloat16().requires_grad_() for x in ref_in]
+    got = ATTENTION_BACKENDS[backend](cfg, 1, None, "self")(*inputs, None, packed_seq_params=packed)
+    grads = torch.autograd.grad(got, inputs, grad_out.bfloat16())
+    for g, w in zip([got, *grads], [want, *want_grads], strict=True):
+        rel = float(torch.linalg.vector_norm(g.double() - w.double()) / torch.linalg.vector_norm(w.double()))
+        assert rel < 2e-2, rel
