@@ -24,7 +24,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestAccepted, RequestRejected
 from libs.contracts.records import ModelRecord, SeqClaim
-from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected
+from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected, UnloadModel
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
@@ -199,3 +199,26 @@ async def sequenced(
         await append(gateway, tenant, model_id, seq_id, kind, digest, None, refused)
         raise
     return await append(gateway, tenant, model_id, seq_id, kind, digest, command)
+
+
+async def unload(gateway: Gateway, model: ModelRecord) -> str:
+    """Queue the model's unload after everything already sequenced; returns its request id.
+
+    Not a client seq_id: the planner runs it once the model's queue drains, then frees the
+    adapter slot (checkpoints stay). Idempotent (`Nats-Msg-Id`, and the planner's own dedupe).
+    """
+    request_id = f"{model.model_id}:unload"
+    command = UnloadModel(
+        model_id=model.model_id,
+        seq_id=-1,
+        tenant=model.tenant,
+        request_id=request_id,
+        at_ns=now_ns(),
+        traceparent=tracing.current_traceparent(),
+        reason="unload",
+    )
+    await gateway.bus.publish(s.request_subject(model.model_id), codec.pack(command), msg_id=request_id)
+    if not model.unloaded:
+        model.unloaded = True
+        await gateway.store.put(s.KV_MODELS, s.token(model.model_id), model)
+    return request_id

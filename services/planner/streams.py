@@ -24,6 +24,7 @@ from libs.contracts.requests import (
     ModelCommand,
     OptimStep,
     Rejected,
+    UnloadModel,
 )
 from libs.contracts.results import DatumResult
 
@@ -98,11 +99,19 @@ class ModelStream:
     dirty: set[int] = field(default_factory=set)  # windows in which a forward_backward left gradients
     poison: dict[int, str] = field(default_factory=dict)  # window -> why it can no longer be applied
     gap_since_ns: int | None = None
+    unloading: bool = False  # an unload is queued: the model closes once it runs
 
     def accept(self, command: ModelCommand, arrival: int, now_ns: int) -> list[Pending] | None:
         """Take a command; returns the commands it made runnable, None if its seq_id was already seen
         (a duplicate has no effect)."""
         seq = command.seq_id
+        if isinstance(command, UnloadModel) and seq < 0:
+            # Lifecycle, not a client seq_id (session finished, or unload_model): runs after
+            # everything sequenced so far; anything sequenced later finds the model closed.
+            if self.unloading:
+                return None
+            self.unloading = True
+            return [self._sequence(command, arrival)]
         if seq <= self.watermark or seq in self.buffered:
             return None
         before = self.watermark
@@ -122,7 +131,7 @@ class ModelStream:
         pending = Pending(cmd, arrival, window=self.optims_seen)
         if pending.is_window:
             pending.outputs = [None] * pending.num_datums
-        if cmd.seq_id == 0:
+        if cmd.seq_id == 0 and not isinstance(cmd, UnloadModel):
             if isinstance(cmd, CreateModel):
                 self.tenant = cmd.tenant
             else:

@@ -12,11 +12,12 @@ from libs.contracts import subjects as s
 from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
-from libs.contracts.records import SessionRecord, TrainerStatus
+from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
 from services.gateway.auth import Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway
 from services.gateway.errors import NotFound
+from services.gateway.submit import unload
 
 CLIENT_CONFIG = w.ClientConfigResponse(
     # The flags are explicit so a client runs the same way whatever its version's defaults.
@@ -106,6 +107,13 @@ async def finish_session(
     session_id: str, data: w.SessionFinishRequest, gateway: Gateway, tenant: Tenant
 ) -> dict[str, str]:
     record = await owned_session(gateway, tenant, session_id)
+    # The session's models give their adapter slots back once their queued work has run;
+    # their checkpoints stay. (Repeated on a retried finish: unloading is idempotent.)
+    for _, model in await gateway.store.scan(
+        s.KV_MODELS, ModelRecord, prefix=f"{s.token(session_id)}=train="
+    ):
+        if model.tenant == tenant.id:
+            await unload(gateway, model)
     if not record.finished:
         record.finished = True
         await gateway.store.put(s.KV_SESSIONS, s.token(session_id), record)

@@ -23,6 +23,13 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
     if not s.is_valid_id(request_id) or ":" not in request_id:
         return None, None
     entity, _, seq = request_id.rpartition(":")
+    if seq == "unload":  # lifecycle requests have no seq claim (see submit.unload)
+        model = await gateway.store.get(s.KV_MODELS, s.token(entity), ModelRecord)
+        if model is None or not model.unloaded:
+            return None, None
+        return model.tenant, SeqClaim(
+            request_id=request_id, fingerprint="", kind="unload", tenant=model.tenant, accepted_ns=now_ns()
+        )
     if not seq.lstrip("-").isdigit():
         return None, None
     if ":sample:" in entity:

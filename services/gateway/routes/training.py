@@ -25,9 +25,16 @@ from libs.contracts.requests import (
 )
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, NotImplementedYet, TinkerError
+from services.gateway.errors import BadRequest, Conflict, TinkerError
 from services.gateway.routes.bootstrap import owned_session
-from services.gateway.submit import append, check_seq, fingerprint_bytes, fingerprint_json, owned_model
+from services.gateway.submit import (
+    append,
+    check_seq,
+    fingerprint_bytes,
+    fingerprint_json,
+    owned_model,
+    unload,
+)
 from services.gateway.validation import (
     Limits,
     check_adam,
@@ -262,9 +269,9 @@ async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant)
 
 @post("/api/v1/unload_model", status_code=200, operation_id="unload_model")
 async def unload_model(data: w.UnloadModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
-    """Never public in the SDK; frees the model's adapter slot. Sequenced after everything queued."""
-    await owned_model(gateway, tenant, data.model_id)
-    raise NotImplementedYet("unload_model is not offered yet: finish the session instead")
+    """Free the model's adapter slot once everything already submitted has run (checkpoints stay)."""
+    record = await owned_model(gateway, tenant, data.model_id)
+    return _future(await unload(gateway, record), record.model_id)
 
 
 ROUTES = [
