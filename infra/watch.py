@@ -16,7 +16,13 @@ from infra.bus import Bus
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.events import describe
-from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
+from libs.contracts.records import (
+    CheckpointRecord,
+    ModelQueueRecord,
+    ModelRecord,
+    SessionRecord,
+    TrainerStatus,
+)
 
 T = TypeVar("T")
 
@@ -73,6 +79,8 @@ class Status(msgspec.Struct):
     streams: dict[str, dict[str, int]]
     consumers: dict[str, dict[str, int]]
     commands_per_model: dict[str, int]
+    planner: dict[str, ModelQueueRecord] = {}
+    newest_checkpoint: dict[str, str] = {}
 
 
 async def collect_status(nats_url: str) -> Status:
@@ -118,12 +126,16 @@ async def status_of(bus: Bus) -> Status:
             info = await bus.js.stream_info(
                 s.STREAM_REQUESTS, subjects_filter=s.request_subject(model.model_id)
             )
-            depth[model.model_id] = (
-                sum((info.state.subjects or {}).values()) if info.state.subjects else 0
-            )
+            depth[model.model_id] = sum((info.state.subjects or {}).values()) if info.state.subjects else 0
         except nats.errors.Error:
             depth[model.model_id] = 0
-    return Status(sessions, models, trainers, streams, consumers, depth)
+    planner = {r.model_id: r for r in await _records(bus, s.KV_PLANNER, ModelQueueRecord)}
+    newest: dict[str, tuple[int, str]] = {}
+    for ckpt in await _records(bus, s.KV_CHECKPOINTS, CheckpointRecord):
+        if ckpt.created_ns >= newest.get(ckpt.training_run_id, (0, ""))[0]:
+            newest[ckpt.training_run_id] = (ckpt.created_ns, ckpt.tinker_path)
+    checkpoints = {run: path for run, (_, path) in newest.items()}
+    return Status(sessions, models, trainers, streams, consumers, depth, planner, checkpoints)
 
 
 async def print_status(nats_url: str) -> None:
@@ -131,7 +143,8 @@ async def print_status(nats_url: str) -> None:
     print("trainers:")
     for t in st.trainers:
         print(
-            f"  {t.trainer_id:<24} group={t.group} ready={t.ready} slots={t.slots_used}/{t.num_slots} base={t.base_model}"
+            f"  {t.trainer_id:<24} group={t.group} ready={t.ready} slots={t.slots_used}/{t.num_slots} "
+            f"base={t.base_model} work_seq={t.last_work_seq} snapshot_through={t.snapshot_work_seq}"
         )
     open_sessions = sum(1 for x in st.sessions if not x.finished)
     print(f"sessions: {len(st.sessions)} ({open_sessions} open)")
@@ -139,7 +152,15 @@ async def print_status(nats_url: str) -> None:
     for m in st.models:
         state = " (unloaded)" if m.unloaded else ""
         commands = st.commands_per_model.get(m.model_id, 0)
-        print(f"  {m.model_id:<32} tenant={m.tenant:<20} rank={m.lora.rank} commands={commands}{state}")
+        plan = st.planner.get(m.model_id)
+        where = f"slot={plan.slot} queued={plan.queued}" if plan else "slot=? queued=?"
+        if plan and plan.waiting_for_seq is not None:
+            where += f" waiting_for_seq={plan.waiting_for_seq} (+{plan.buffered} ahead)"
+        newest = st.newest_checkpoint.get(m.model_id, "-")
+        print(
+            f"  {m.model_id:<32} tenant={m.tenant:<20} rank={m.lora.rank} {where} "
+            f"commands={commands} newest_checkpoint={newest}{state}"
+        )
     print("streams:")
     for name, info in st.streams.items():
         print(f"  {name:<18} messages={info['messages']:<8} bytes={info['bytes']}")

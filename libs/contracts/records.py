@@ -91,3 +91,17 @@ class TrainerStatus(msgspec.Struct, kw_only=True):
     num_slots: int
     slots_used: int = 0
     updated_ns: int = 0
+    snapshot_work_seq: int = 0  # newest internal snapshot covers work units up to this sequence
+    snapshot_ns: int = 0
+    last_work_seq: int = 0
+
+
+class ModelQueueRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """The planner's view of one model, for `tinkerd status` (KV `tinker_planner`, key = model)."""
+
+    model_id: str
+    slot: int | None
+    queued: int  # sequenced commands not yet completed
+    buffered: int  # arrived ahead of a missing seq_id
+    waiting_for_seq: int | None = None
+    closed: bool = False

@@ -63,7 +63,10 @@ KV_TRAINERS = "tinker_trainers"
 KV_QUEUE = "tinker_queue"
 """request id -> why it waits (`QueueRecord`), written by the planner; try_again reports it."""
 
-ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE)
+KV_PLANNER = "tinker_planner"
+"""Per-model planner summary (slot, queue depth, missing seq_id) for operators."""
+
+ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE, KV_PLANNER)
 
 _ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
 

@@ -23,7 +23,7 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted, RequestFailed, UnitPlanned
-from libs.contracts.records import QueueRecord, SeqClaim
+from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import BarrierUnit, Unit, WorkUnit
@@ -59,6 +59,7 @@ class PlannerService:
         self.planner = Planner(num_slots=config.num_slots, token_budget=config.token_budget)
         self._lock = asyncio.Lock()
         self._paused: set[str] = set()  # create_model requests published as paused_capacity
+        self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
@@ -129,6 +130,23 @@ class PlannerService:
             await self._emit_unit(unit)
         await self._publish_completions(self.planner.collect())
         await self._publish_queue_state()
+        await self._publish_model_summaries()
+
+    async def _publish_model_summaries(self) -> None:
+        """Write each model's summary when it changed (operators read them: `tinkerd status`)."""
+        kv = await self.bus.kv(s.KV_PLANNER)
+        for stream in self.planner.streams.values():
+            record = ModelQueueRecord(
+                model_id=stream.model_id,
+                slot=stream.slot,
+                queued=len(stream.queue),
+                buffered=len(stream.buffered),
+                waiting_for_seq=stream.missing_seq,
+                closed=stream.closed,
+            )
+            if self._summaries.get(stream.model_id) != record:
+                await kv.put(s.token(stream.model_id), codec.to_json(record))
+                self._summaries[stream.model_id] = record
 
     async def _queue_keys(self) -> list[str]:
         kv = await self.bus.kv(s.KV_QUEUE)

@@ -74,8 +74,11 @@ class TrainerService:
         self.completed: set[str] = set()
         self.slot_models: dict[int, str] = {}
         self.last_work_seq = 0
+        self.snapshot_work_seq = 0
+        self.snapshot_ns = 0
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
+        self.snapshot_work_seq, self.snapshot_ns = self.last_work_seq, now_ns()
         self.ready = False
 
     # --- start-up ---------------------------------------------------------------------------
@@ -99,7 +102,7 @@ class TrainerService:
                 trainer_snapshots.restore, self.engine, snapshot
             )
             log.info("restored snapshot %s (%d slots)", snapshot.name, len(self.slot_models))
-        self.last_work_seq = base_seq
+        self.last_work_seq = self.snapshot_work_seq = base_seq
 
         def on_outcome(msg: Msg) -> None:
             self.completed.add(codec.outcome_decoder.decode(msg.data).unit_id)
@@ -203,6 +206,7 @@ class TrainerService:
         )
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
+        self.snapshot_work_seq, self.snapshot_ns = self.last_work_seq, now_ns()
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:
@@ -220,6 +224,9 @@ class TrainerService:
                 num_slots=self.config.num_slots,
                 slots_used=len(self.slot_models),
                 updated_ns=now_ns(),
+                snapshot_work_seq=self.snapshot_work_seq,
+                snapshot_ns=self.snapshot_ns,
+                last_work_seq=self.last_work_seq,
             )
             with contextlib.suppress(Exception):
                 await kv.put(s.token(self.trainer_id), codec.to_json(status))
