@@ -66,7 +66,7 @@ def test_four_tenants_learn_their_own_secret_and_nothing_else(stack: Stack) -> N
                 assert marker not in text, f"tenant {tenant} leaked tenant {other}'s marker: {text!r}"
 
     base_client = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-base-observer")
-    base = base_client.create_sampling_client(base_model="tiny-qwen3")
+    base = base_client.create_sampling_client(base_model="tiny-qwen3").result()
     tokenizer = base.get_tokenizer()
     params = types.SamplingParams(max_tokens=16, temperature=0.0)
     sample = base.sample(types.ModelInput.from_ints(tokenizer.encode(PROMPT)), num_samples=1, sampling_params=params).result()
