@@ -1,6 +1,6 @@
 """Supervised fine-tuning against a running Tinkerd (`make run`), with the public Tinker SDK only.
 
-    python examples/sft_loop.py [--base-url http://127.0.0.1:8000] [--steps 30]
+    python examples/sft_loop.py [--base-url http://127.0.0.1:8000] [--steps 40]
 
 Teaches a LoRA adapter one sentence, then samples from it.
 """
@@ -13,7 +13,7 @@ from tinker import types
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--text", default="Tinkerd says: the quick brown fox trains a LoRA adapter.")
 args = parser.parse_args()
 
@@ -28,7 +28,7 @@ datum = types.Datum(
 
 for step in range(args.steps):
     forward_backward = training.forward_backward([datum], "cross_entropy")
-    optim = training.optim_step(types.AdamParams(learning_rate=2e-2))
+    optim = training.optim_step(types.AdamParams(learning_rate=5e-3))
     loss = forward_backward.result().metrics["loss:sum"] / (len(tokens) - 1)
     optim.result()
     if step % 5 == 0 or step == args.steps - 1:

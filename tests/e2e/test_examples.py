@@ -29,7 +29,7 @@ def test_examples_are_short() -> None:
 
 
 def test_sft_example_learns_and_samples_its_sentence(stack: Stack) -> None:
-    stdout = run_example("sft_loop.py", stack, "--steps", "25")
+    stdout = run_example("sft_loop.py", stack, "--steps", "40")
     sample = next(line for line in stdout.splitlines() if line.startswith("sample :"))
     assert "quick brown fox" in sample, stdout
     assert "tinker://" in stdout

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+from transformers import AutoTokenizer
 
 from tests.harness import Stack
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The secret marker is"
 MARKERS = ["BLUE-FALCON-42", "RED-OTTER-17", "GREEN-LYNX-88", "GOLD-HERON-05"]
-STEPS = 30
+STEPS = 60
 
 
 def teach(base_url: str, tenant: int, out: dict[int, dict[str, object]]) -> None:
@@ -38,7 +39,7 @@ def teach(base_url: str, tenant: int, out: dict[int, dict[str, object]]) -> None
     losses = []
     for _ in range(STEPS):
         fb = training.forward_backward([datum], "cross_entropy")
-        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
         losses.append(fb.result().metrics["loss:sum"])
     sampler = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=len(tokens) - len(prompt_tokens) + 2, temperature=0.0)
@@ -67,7 +68,8 @@ def test_four_tenants_learn_their_own_secret_and_nothing_else(stack: Stack) -> N
 
     base_client = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-base-observer")
     base = base_client.create_sampling_client(base_model="tiny-qwen3").result()
-    tokenizer = base.get_tokenizer()
+    # A base-model sampler's tokenizer comes from its base_model name; use the model directory.
+    tokenizer = AutoTokenizer.from_pretrained(str(stack.data_dir / "models" / "tiny-qwen3"))
     params = types.SamplingParams(max_tokens=16, temperature=0.0)
     sample = base.sample(types.ModelInput.from_ints(tokenizer.encode(PROMPT)), num_samples=1, sampling_params=params).result()
     base_text = tokenizer.decode(sample.sequences[0].tokens)
