@@ -68,20 +68,26 @@ def read_checkpoints(log_path: Path) -> list[dict[str, object]]:
 
 
 def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: Path) -> None:
+    """A run checkpoints every 2 steps; cut back to its step-2 checkpoint (as if it had died
+    there), the cookbook resumes from that saved state and finishes the remaining steps."""
     from tinker_cookbook.supervised import train
 
     log_path = tmp_path / "sl"
-    asyncio.run(train.main(sl_config(stack, log_path, max_steps=3)))
+    asyncio.run(train.main(sl_config(stack, log_path, max_steps=4)))
     first = read_checkpoints(log_path)
-    assert first, "the cookbook wrote no checkpoint"
-    assert all(str(c.get("state_path", "")).startswith("tinker://") for c in first if "state_path" in c)
+    assert first and all(str(c["state_path"]).startswith("tinker://") for c in first if "state_path" in c)
+    mid = next(c for c in first if c.get("batch") == 2)
+    (log_path / "checkpoints.jsonl").write_text(json.dumps(mid) + "\n")  # the run "died" after step 2
 
-    asyncio.run(train.main(sl_config(stack, log_path, max_steps=5)))  # resumes from the saved state
+    asyncio.run(train.main(sl_config(stack, log_path, max_steps=4)))  # resumes from the step-2 state
     second = read_checkpoints(log_path)
-    assert len(second) > len(first)
-    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [m["step"] for m in metrics if "step" in m]
-    assert max(steps) >= 4, "the resumed run did not continue to the later steps"
+    assert len(second) > 1 and second[-1]["state_path"] != mid["state_path"]
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trained = [r for r in rows if "train_mean_nll" in r]
+    assert len(trained) == 6  # 4 steps, then the 2 after the step-2 checkpoint again
+    before, after = trained[2:4], trained[4:]
+    assert [r["progress"] for r in after] == [0.75, 1.0]
+    assert [r["num_tokens"] for r in after] == [r["num_tokens"] for r in before]  # the same batches
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
