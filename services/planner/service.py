@@ -97,12 +97,17 @@ class PlannerService:
             asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
         ]
-        await stop.wait()
-        for task in tasks:
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in [stopping, *tasks]:
             task.cancel()
-        for task in tasks:
+        for task in [stopping, *tasks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for task in done:
+            if task is not stopping and task.exception() is not None:
+                # A loop that died must not leave a live-looking planner: exit, be restarted, replay.
+                raise RuntimeError("a planner loop failed") from task.exception()
 
     async def _on_requests(self, msgs: list[Msg]) -> None:
         async with self._lock:
@@ -275,7 +280,13 @@ class PlannerService:
         try:
             await kv.create(s.seq_key(model_id, seq_id), codec.to_json(claim))
         except KeyWrongLastSequenceError:
-            return
+            # Claimed by the gateway. Normally its command follows at once; a claim this old whose
+            # command never came means the gateway died between claim and append. Seal it anyway:
+            # a late append carries the same Nats-Msg-Id, and the planner dedupes the seq_id.
+            entry = await kv.get(s.seq_key(model_id, seq_id))
+            existing = codec.from_json(entry.value or b"{}", SeqClaim)
+            if now_ns() - existing.accepted_ns < int(self.config.gap_timeout_s * 1e9):
+                return
         error = (
             f"seq_id {seq_id} of model {model_id} never arrived within {self.config.gap_timeout_s:.0f}s; "
             "it was sealed as failed so later requests can run"
