@@ -29,8 +29,13 @@ async def main(data_dir: Path, nats_url: str) -> None:
     bus = await Bus.connect(nats_url, "replay-check")
     units: list[Unit] = []
 
+    seen: set[str] = set()
+
     def on_unit(msg: Msg) -> None:
-        units.append(codec.unit_decoder.decode(msg.data))
+        unit = codec.unit_decoder.decode(msg.data)
+        if unit.unit_id not in seen:  # a redelivered copy is not part of the plan
+            seen.add(unit.unit_id)
+            units.append(unit)
 
     await replay(bus, s.STREAM_WORK, s.WORK_ALL, await last_seq(bus, s.STREAM_WORK), on_unit)
     await bus.close()

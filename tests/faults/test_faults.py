@@ -108,4 +108,34 @@ def test_nats_server_restarted(tmp_path: Path) -> None:
     scenario(tmp_path, make, kind="unit_done", n=5)
 
 
+def test_redelivered_messages_have_no_second_effect(tmp_path: Path) -> None:
+    """Mid-workload, the newest request, unit, outcome and publication are appended again (new
+    message ids, so JetStream's dedupe does not hide them): nothing is applied twice."""
+
+    def make(stack: Stack) -> Callable[[], None]:
+        def action() -> None:
+            asyncio.run(redeliver_latest(stack.nats_url))
+
+        return action
+
+    scenario(tmp_path, make, kind="unit_done", n=6)
+
+
+async def redeliver_latest(nats_url: str) -> None:
+    from infra.bus import Bus
+    from libs.contracts import subjects as s
+
+    bus = await Bus.connect(nats_url, "redeliver")
+    try:
+        for stream in (s.STREAM_REQUESTS, s.STREAM_WORK, s.STREAM_OUTCOMES, s.STREAM_PUBLISH):
+            info = await bus.js.stream_info(stream)
+            if info.state.messages == 0:
+                continue
+            latest = await bus.js.get_msg(stream, info.state.last_seq)
+            assert latest.subject is not None and latest.data is not None
+            await bus.js.publish(latest.subject, latest.data, headers={"Nats-Msg-Id": f"again-{stream}-{latest.seq}"})
+    finally:
+        await bus.close()
+
+
 pytestmark = pytest.mark.slow
