@@ -29,8 +29,8 @@ from services.gateway import sglang
 from services.gateway.context import Gateway
 
 log = logging.getLogger("tinkerd.gateway.samples")
-ACK_WAIT_S = 30.0
-PROGRESS_EVERY_S = 10.0
+ACK_WAIT_S = 15.0
+PROGRESS_EVERY_S = 5.0
 
 
 class SampleRunner:

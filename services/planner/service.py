@@ -18,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from infra import tracing
-from infra.bus import Bus, ack_floor, fetch_loop, last_seq, replay
+from infra.bus import Bus, ack_floor, ensure_durable, fetch_loop, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -39,17 +39,15 @@ async def ensure_consumers(bus: Bus) -> None:
         (s.STREAM_REQUESTS, s.REQUESTS_ALL, s.DURABLE_PLANNER_REQUESTS),
         (s.STREAM_OUTCOMES, s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES),
     ):
-        await bus.js.add_consumer(
-            stream,
-            ConsumerConfig(
-                durable_name=durable,
-                filter_subject=subject,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=60.0,
-                max_ack_pending=10_000,
-            ),
+        config = ConsumerConfig(
+            durable_name=durable,
+            filter_subject=subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=60.0,
+            max_ack_pending=10_000,
         )
+        await ensure_durable(bus, stream, config)  # after a kill -9: unacked messages come back at once
 
 
 class PlannerService:
