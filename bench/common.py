@@ -207,11 +207,33 @@ def machine() -> str:
     )
 
 
+def code_version() -> str:
+    """The commit the scripts run on, and whether the working tree differs from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def header(title: str, quick: bool, **sizes: object) -> None:
     print(f"# {title}{' (--quick)' if quick else ''}")
     print(f"machine: {machine()}")
+    print(f"code: {code_version()}")
     print("sizes: " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     print(flush=True)
+
+
+def footer() -> None:
+    """The load average at the end of a run (the header has it at the start)."""
+    import os
+
+    print("load average at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

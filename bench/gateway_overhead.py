@@ -9,6 +9,9 @@ the outcome stream (``finished_ns - started_ns``: ``TrainerService.execute`` alo
 
     overhead = SDK round trip - trainer compute          (per call, then p50 / p99)
 
+For scale, the bus primitives each hop pays are timed on the same stack: a JetStream publish
+with its ack, and a KV get.
+
 Part 2, submissions per second from 16 concurrent clients: raw ``httpx`` posts of pre-built
 bodies (protobuf ``forward_backward`` bodies made with the SDK's own encoder, JSON ``asample``),
 8 tenants; then the time until every future has its result (completions per second). The
@@ -37,6 +40,7 @@ from bench.common import (  # noqa: E402
     dist,
     event_tag,
     events,
+    footer,
     header,
     random_tokens,
     running_stack,
@@ -59,29 +63,33 @@ class Call:
     warmup: bool
 
 
-def sequential_calls(base_url: str, reps: int, warmup: int) -> tuple[str, list[Call]]:
-    import tinker
-    from tinker import types
+class SequentialClient:
+    """One SDK client on one stack: ``forward_backward`` (one 64-token datum), then ``optim_step``."""
 
-    service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench-overhead")
-    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8).result()
-    datum = sft_datum(random_tokens(0, 65, VOCAB))
-    adam = types.AdamParams(learning_rate=1e-4)
-    submit: dict[str, Callable[[], Any]] = {
-        "forward_backward": lambda: training.forward_backward([datum], "cross_entropy"),
-        "optim_step": lambda: training.optim_step(adam),
-    }
-    calls = []
-    for i in range(warmup + reps):
-        for kind, call in submit.items():
+    def __init__(self, base_url: str) -> None:
+        import tinker
+        from tinker import types
+
+        service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench-overhead")
+        self.training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8).result()
+        self.model_id: str = self.training.model_id
+        datum = sft_datum(random_tokens(0, 65, VOCAB))
+        adam = types.AdamParams(learning_rate=1e-4)
+        self.submit: dict[str, Callable[[], Any]] = {
+            "forward_backward": lambda: self.training.forward_backward([datum], "cross_entropy"),
+            "optim_step": lambda: self.training.optim_step(adam),
+        }
+        self.calls: list[Call] = []
+
+    def step(self, warmup: bool) -> None:
+        for kind, call in self.submit.items():
             start = time.time_ns()
             call().result()
-            calls.append(Call(kind, start, time.time_ns(), i < warmup))
-    return training.model_id, calls
+            self.calls.append(Call(kind, start, time.time_ns(), warmup))
 
 
 def overhead_rows(
-    nats_url: str, model_id: str, calls: list[Call]
+    label: str, nats_url: str, model_id: str, calls: list[Call]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from libs.contracts import codec
     from libs.contracts import subjects as s
@@ -141,6 +149,7 @@ def overhead_rows(
         d = {name: dist(values) for name, values in row.items()}
         summary.append(
             {
+                "stack": label,
                 "call": kind,
                 "n": d["rtt"]["n"],
                 "rtt_p50": d["rtt"]["p50"],
@@ -156,10 +165,42 @@ def overhead_rows(
         )
         for name, values in sorted(row.items()):
             if name[0].isdigit():
-                stages.append(
-                    {"call": kind, "stage": name, "p50": dist(values)["p50"], "p99": dist(values)["p99"]}
-                )
+                s50, s99 = dist(values)["p50"], dist(values)["p99"]
+                stages.append({"stack": label, "call": kind, "stage": name, "p50": s50, "p99": s99})
     return summary, stages
+
+
+def bus_costs(nats_url: str, n: int) -> list[dict[str, Any]]:
+    """The primitives every hop pays, on this machine: a JetStream publish with its ack (file
+    storage, with a Nats-Msg-Id like the services' appends) and a KV get (the gateway's reads)."""
+    from nats.js.api import StorageType, StreamConfig
+
+    from infra.bus import Bus
+
+    async def measure() -> dict[str, list[float]]:
+        bus = await Bus.connect(nats_url, "bench-primitives")
+        times: dict[str, list[float]] = defaultdict(list)
+        try:
+            await bus.js.add_stream(
+                StreamConfig(name="BENCH", subjects=["bench.>"], storage=StorageType.FILE)
+            )
+            kv = await bus.js.create_key_value(bucket="bench", storage=StorageType.FILE)
+            await kv.put("key", b"x" * 200)
+            for i in range(n):
+                start = time.perf_counter()
+                await bus.publish("bench.x", b"x" * 500, msg_id=f"m{i}")
+                times["JetStream publish + ack (file, Nats-Msg-Id)"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                await kv.get("key")
+                times["KV get"].append(time.perf_counter() - start)
+        finally:
+            await bus.close()
+        return times
+
+    return [
+        {"what": name, "n": len(values), "p50": dist(values, 1e3)["p50"], "p99": dist(values, 1e3)["p99"]}
+        for name, values in asyncio.run(measure()).items()
+    ]
 
 
 # ---- submissions per second --------------------------------------------------------------
@@ -282,11 +323,19 @@ def interleave(jobs: list[Any], per_tenant: int) -> list[Any]:
     return [jobs[t * per_tenant + i] for i in range(per_tenant) for t in range(TENANTS)]
 
 
-def packing(nats_url: str, posted: dict[str, Any]) -> tuple[int, float]:
-    """(units the planner made for the burst's requests, mean datums per unit)."""
+def packing(nats_url: str, posted: dict[str, Any]) -> dict[str, Any]:
+    """The trainer units the planner made for the burst's requests: count, datums per unit, and
+    their ``unit_done`` durations (p50, and the sum: how long the trainer was busy with them)."""
     burst = {keyed.split("|", 1)[1] for keyed in posted["ids"]}
-    units = [e for e in events(nats_url) if event_tag(e) == "planned" and burst & set(e.requests)]
-    return len(units), len(burst) / max(len(units), 1)
+    everything = events(nats_url)
+    units = {e.unit_id for e in everything if event_tag(e) == "planned" and burst & set(e.requests)}
+    busy = [e.duration_ms for e in everything if event_tag(e) == "unit_done" and e.unit_id in units]
+    return {
+        "units": len(units),
+        "per_unit": len(burst) / max(len(units), 1),
+        "unit_p50": dist(busy)["p50"],
+        "busy_s": sum(busy) / 1e3,
+    }
 
 
 def throughput_row(name: str, posted: dict[str, Any], drain_s: float, failed: int) -> dict[str, Any]:
@@ -319,9 +368,26 @@ def main() -> None:
         posts_per_kind=TENANTS * per_tenant,
     )
     env = {"TINKERD_GATEWAY_SAMPLING_CAPACITY": "1000000"}
-    with running_stack(env) as stack:
-        model_id, calls = sequential_calls(stack.base_url, reps, warmup)
-        summary, stages = overhead_rows(stack.nats_url, model_id, calls)
+    plain_env = env | {"TINKERD_TRACE_EXPORTER": "none"}  # the production default
+    with running_stack(plain_env) as stack, running_stack(env) as traced:
+        clients = {
+            "tracing off": SequentialClient(stack.base_url),
+            "tracing jsonl": SequentialClient(traced.base_url),
+        }
+        for i in range(warmup + reps):  # interleaved, so both stacks see the same machine
+            for client in clients.values():
+                client.step(warmup=i < warmup)
+        summary, stages = [], []
+        for (label, client), nats_url in zip(clients.items(), (stack.nats_url, traced.nats_url), strict=True):
+            rows_, stages_ = overhead_rows(label, nats_url, client.model_id, client.calls)
+            summary += rows_
+            stages += stages_
+        for kind in ("forward_backward", "optim_step"):
+            off, on = (
+                next(r for r in summary if r["stack"] == label and r["call"] == kind) for label in clients
+            )
+            on["vs_off"] = on["ovh_p50"] / off["ovh_p50"]
+        primitives = bus_costs(stack.nats_url, 50 if args.quick else 500)
 
         rows = []
         jobs, last = fb_jobs(stack.base_url, per_tenant)
@@ -333,7 +399,7 @@ def main() -> None:
                 "forward_backward (protobuf, 64 tokens)", posted, time.perf_counter() - start, failed
             )
         )
-        rows[-1]["units"], rows[-1]["per_unit"] = packing(stack.nats_url, posted)
+        rows[-1].update(packing(stack.nats_url, posted))
 
         jobs = sample_jobs(stack.base_url, per_tenant)
         start = time.perf_counter()
@@ -347,6 +413,7 @@ def main() -> None:
         f"Per-call overhead, one client, sequential (ms; target: overhead p50 < {TARGET_P50_MS:.0f} ms)",
         summary,
         [
+            ("stack", "stack"),
             ("call", "call"),
             ("n", "n"),
             ("round trip p50", "rtt_p50"),
@@ -358,12 +425,18 @@ def main() -> None:
             ("overhead vs execute p50", "ovhx_p50"),
             ("overhead vs execute p99", "ovhx_p99"),
             ("p50 < target", "met"),
+            ("overhead p50 / tracing off", "vs_off"),
         ],
     )
     table(
         "Where the round trip goes (ms, from event timestamps)",
         stages,
-        [("call", "call"), ("stage", "stage"), ("p50", "p50"), ("p99", "p99")],
+        [("stack", "stack"), ("call", "call"), ("stage", "stage"), ("p50", "p50"), ("p99", "p99")],
+    )
+    table(
+        "Bus primitives on this machine (ms, one client, sequential)",
+        primitives,
+        [("operation", "what"), ("n", "n"), ("p50", "p50"), ("p99", "p99")],
     )
     table(
         f"Submissions from {CLIENTS} concurrent clients, {TENANTS} tenants",
@@ -380,8 +453,12 @@ def main() -> None:
             ("failed", "failed"),
             ("trainer units", "units"),
             ("datums per unit", "per_unit"),
+            ("unit_done p50 ms", "unit_p50"),
+            ("trainer busy s", "busy_s"),
         ],
     )
+
+    footer()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 from bench.common import (  # noqa: E402
     cpu_parser,
     dist,
+    footer,
     header,
     random_tokens,
     running_stack,
@@ -293,6 +294,8 @@ def main() -> None:
             ("units replayed on restart", "replayed"),
         ],
     )
+
+    footer()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 from bench.common import (  # noqa: E402
     cpu_parser,
     dist,
+    footer,
     header,
     random_peft_adapter,
     random_tokens,
@@ -187,6 +188,8 @@ def main() -> None:
         publish_rows(publishes),
         [("step", "step"), ("n", "n"), ("p50", "p50"), ("p99", "p99"), ("x steady sample", "ratio")],
     )
+
+    footer()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from bench.common import (  # noqa: E402
     QWEN3_100M,
     cpu_parser,
     dist,
+    footer,
     header,
     random_qwen3,
     random_tokens,
@@ -152,6 +153,8 @@ def main() -> None:
             ("vs 1 tenant (min)", "ratio_min"),
         ],
     )
+
+    footer()
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ class SlotRouting:
     def __init__(self) -> None:
         self.segments: list[Segment] = []
         self.configs: dict[int, SlotConfig] = {}
+        self.stacked = False  # several slots at once: stacked kernels (GPU) or per-segment (CPU)
         self._masks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks_for: list[Segment] | None = None
 
@@ -169,11 +170,13 @@ class SlotAdapter(nn.Module):
         """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
 
         With S slots active in this forward, their adapters are used side by side:
-        ``h = x @ [A_1; ..; A_S]^T`` gives every token all S rank-r_max projections
-        ([T, S*r_max]); a [T, S] mask keeps only the token's own slot's block, scaled by that
-        slot's alpha/rank; then ``h @ [B_1 .. B_S]^T``. Rows and columns past a slot's rank
+        ``h = x @ [A_1; ..; A_S]^T`` gives every token all S projections of rank r (the largest
+        active rank; [T, S*r]); a [T, S] mask keeps only the token's own slot's block, scaled by
+        that slot's alpha/rank; then ``h @ [B_1 .. B_S]^T``. Rows and columns past a slot's rank
         are zero, so smaller ranks are exact. This costs S times the (small) LoRA FLOPs but a
-        fixed number of kernels however many tenants share the batch; one slot takes a plain path.
+        fixed number of kernels however many tenants share the batch (measured on the H200: 8
+        tenants at 0.93-0.95 of one tenant's throughput); one slot takes a plain path. On a CPU
+        the extra FLOPs are not free: see docs/benchmarks.md.
         """
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
@@ -196,13 +199,39 @@ class SlotAdapter(nn.Module):
             a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
             b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
             return region((x @ a.t()) * cfg.scaling) @ b.t()  # [T, 1, out]
+        if not routing.stacked:
+            return self._per_segment(x, region)
         mask, index = routing.slot_mask(group, slots, active, x)  # [T, S], [S]
-        n, r = len(slots), self.max_rank
-        a = self.lora_A.index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
+        # Only the largest active rank is needed: every slot's rows/columns past its rank are zero.
+        n, r = len(slots), max(routing.configs[slot].rank for slot in slots)
+        a = self.lora_A[:, :r].index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
         h = region(x @ a.t())  # [T, 1, S*r]
         h = (h.view(-1, 1, n, r) * mask.view(-1, 1, n, 1)).view(-1, 1, n * r)  # own block only, scaled
-        b = self.lora_B.index_select(0, index).to(x.dtype)  # [S, out, r]
+        b = self.lora_B[:, :, :r].index_select(0, index).to(x.dtype)  # [S, out, r]
         return h @ b.permute(1, 0, 2).reshape(b.shape[1], n * r).t()  # [T, 1, out]
+
+    def _per_segment(self, x: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Each slot's segment through its own adapter: exact LoRA FLOPs, but kernels per segment.
+
+        The better trade on a CPU, where FLOPs cost more than launches (docs/benchmarks.md).
+        """
+        routing = self.routing
+        rank_of = {s.slot: routing.configs[s.slot].rank for s in routing.segments}
+        r = max(rank_of.values())
+        hidden = []
+        for seg in routing.segments:
+            xs = x[seg.start : seg.end]  # [t, 1, in]
+            rank = rank_of[seg.slot] if routing.configs[seg.slot].trains(self.target.group) else 0
+            a = self.lora_A[seg.slot, :rank].to(x.dtype)  # [rank, in]
+            hidden.append(torch.nn.functional.pad(xs @ a.t(), (0, r - rank)))  # [t, 1, r]
+        h = region(torch.cat(hidden, dim=0))  # [T, 1, r]: one collective per module and forward
+        out = []
+        for seg in routing.segments:
+            cfg = routing.configs[seg.slot]
+            rank = cfg.rank if cfg.trains(self.target.group) else 0
+            b = self.lora_B[seg.slot, :, :rank].to(x.dtype)  # [out, rank]
+            out.append((h[seg.start : seg.end, ..., :rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
+        return torch.cat(out, dim=0)  # [T, 1, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         update = self.delta(args[0])

@@ -110,8 +110,11 @@ def test_loss_and_grads_match_reference(
         assert_close_scaled(grads[name], want, 1e-5, name)
 
 
-def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: TrainerEngine) -> None:
-    """Interleaved datums of two slots in one call == each slot's datums in a call of their own."""
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-segment", "stacked"])
+def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: TrainerEngine, stacked: bool) -> None:
+    """Interleaved datums of two slots in one call == each slot's datums in a call of their own,
+    with either multi-slot LoRA strategy (per segment: the CPU default; stacked: the GPU default)."""
+    engine.pool.routing.stacked = stacked
     randomize_slot(engine, 0, SlotConfig(rank=8, seed=1), seed=1)
     randomize_slot(engine, 2, SlotConfig(rank=3, seed=2, train_mlp=False), seed=2)
     rng = np.random.default_rng(7)
@@ -132,6 +135,7 @@ def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(engine: Trainer
         for name, g in engine.get_slot_grads(slot).items():
             assert_close_scaled(mixed_grads[slot][name], g, 1e-5, name)
         engine.discard_grads(slot)
+    engine.pool.routing.stacked = False
 
 
 @pytest.mark.parametrize(
