@@ -40,6 +40,7 @@ class Bus:
         self.js = js
         self._kv: dict[str, KeyValue] = {}
         self._pull_subs: list[JetStreamContext.PullSubscription] = []
+        self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
@@ -69,6 +70,12 @@ class Bus:
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
         return await self.js.publish(subject, payload, headers=headers)
+
+    def emit_soon(self, event: OperationEvent) -> None:
+        """Publish an operation event without waiting for its ack (off the critical path)."""
+        task = asyncio.create_task(self.emit(event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def emit(self, event: OperationEvent) -> None:
         """Publish an operation event; observability must never break the operation itself."""
@@ -184,7 +191,9 @@ async def ensure_durable(bus: Bus, stream: str, config: ConsumerConfig) -> None:
         return
     floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
     await bus.js.delete_consumer(stream, config.durable_name or "")
-    rewound = dataclasses.replace(config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=floor + 1)
+    rewound = dataclasses.replace(
+        config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=floor + 1
+    )
     await bus.js.add_consumer(stream, rewound)
 
 

@@ -197,7 +197,7 @@ class PlannerService:
             requests = sorted({op.request_id for op in unit.ops})
             kind = "+".join(sorted({str(type(op).__struct_config__.tag) for op in unit.ops}))
             tokens = 0
-        await self.bus.emit(
+        self.bus.emit_soon(
             UnitPlanned(
                 unit_id=unit.unit_id,
                 unit_kind=kind,
@@ -250,7 +250,7 @@ class PlannerService:
                     tenant=cmd.tenant,
                     at_ns=now_ns(),
                 )
-            await self.bus.emit(event)
+            self.bus.emit_soon(event)
 
     async def _seal_gaps(self, stop: asyncio.Event) -> None:
         """Seal a seq_id that stayed missing past the timeout, so it cannot stall its model.

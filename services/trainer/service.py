@@ -156,7 +156,7 @@ class TrainerService:
                 await msg.ack()  # redelivered after its outcome was published: no second effect
                 self.last_work_seq = max(self.last_work_seq, seq)
                 continue
-            await self.bus.emit(UnitStarted(unit_id=unit.unit_id, trainer=self.trainer_id, at_ns=now_ns()))
+            self.bus.emit_soon(UnitStarted(unit_id=unit.unit_id, trainer=self.trainer_id, at_ns=now_ns()))
             started = now_ns()
             working = asyncio.create_task(self._keep_alive(msg))
             try:
@@ -181,7 +181,7 @@ class TrainerService:
                 self.steps_since_snapshot += sum(isinstance(op, StepSlot) for op in unit.ops)
             await self._maybe_snapshot()
             ok = not (isinstance(outcome, WorkOutcome) and outcome.error)
-            await self.bus.emit(
+            self.bus.emit_soon(
                 UnitFinished(
                     unit_id=unit.unit_id,
                     trainer=self.trainer_id,
