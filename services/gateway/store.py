@@ -7,15 +7,24 @@ replicas agree on identities without a lock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 import nats.js.errors
 
 from infra.bus import Bus
 from libs.contracts import codec
+from libs.contracts import subjects as s
+from services.gateway.errors import NotFound
 
 T = TypeVar("T")
+
+
+class HasTenant(Protocol):
+    tenant: str
+
+
+R = TypeVar("R", bound=HasTenant)
 S = TypeVar("S", bound=msgspec.Struct)
 
 
@@ -33,6 +42,16 @@ class Store:
         if entry.value is None:
             return None
         return codec.from_json(entry.value, type_)
+
+    async def owned(self, bucket: str, record_id: str, type_: type[R], tenant_id: str, what: str) -> R:
+        """The record if it exists and belongs to `tenant_id`; 404 otherwise.
+
+        Unknown and foreign are the same answer on purpose: existence is never leaked.
+        """
+        record = await self.get(bucket, s.token(record_id), type_) if s.is_valid_id(record_id) else None
+        if record is None or record.tenant != tenant_id:
+            raise NotFound(f"{what} {record_id!r} not found")
+        return record
 
     async def create(self, bucket: str, key: str, record: T, type_: type[T]) -> tuple[bool, T]:
         """Create `key` if absent. Returns (created, the record now stored)."""

@@ -56,12 +56,7 @@ def fingerprint_json(kind: str, body: object, exclude: tuple[str, ...] = ()) -> 
 
 async def owned_model(gateway: Gateway, tenant: Tenant, model_id: str) -> ModelRecord:
     """The model if it exists and belongs to the caller; 404 otherwise (existence is not leaked)."""
-    if not s.is_valid_id(model_id):
-        raise NotFound(f"model {model_id!r} not found")
-    record = await gateway.store.get(s.KV_MODELS, s.token(model_id), ModelRecord)
-    if record is None or record.tenant != tenant.id:
-        raise NotFound(f"model {model_id!r} not found")
-    return record
+    return await gateway.store.owned(s.KV_MODELS, model_id, ModelRecord, tenant.id, "model")
 
 
 def check_seq(seq_id: int | None, first: int = 1) -> int:

@@ -16,7 +16,6 @@ from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
 from services.gateway.auth import Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway
-from services.gateway.errors import NotFound
 from services.gateway.submit import unload
 
 CLIENT_CONFIG = w.ClientConfigResponse(
@@ -86,12 +85,7 @@ async def create_session(
 
 
 async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> SessionRecord:
-    if not s.is_valid_id(session_id):
-        raise NotFound(f"session {session_id!r} not found")
-    record = await gateway.store.get(s.KV_SESSIONS, s.token(session_id), SessionRecord)
-    if record is None or record.tenant != tenant.id:
-        raise NotFound(f"session {session_id!r} not found")
-    return record
+    return await gateway.store.owned(s.KV_SESSIONS, session_id, SessionRecord, tenant.id, "session")
 
 
 @post("/api/v1/session_heartbeat", status_code=200, operation_id="session_heartbeat")

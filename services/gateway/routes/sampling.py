@@ -25,7 +25,7 @@ from libs.contracts.sampling import SampleJob
 from services.gateway.auth import Tenant
 from services.gateway.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, NotFound
+from services.gateway.errors import BadRequest, Conflict
 from services.gateway.routes.bootstrap import owned_session
 from services.gateway.submit import fingerprint_json
 
@@ -33,12 +33,7 @@ log = logging.getLogger("tinkerd.gateway.sampling")
 
 
 async def owned_sampler(gateway: Gateway, tenant: Tenant, sampler_id: str) -> SamplerRecord:
-    if not s.is_valid_id(sampler_id):
-        raise NotFound(f"sampler {sampler_id!r} not found")
-    record = await gateway.store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord)
-    if record is None or record.tenant != tenant.id:
-        raise NotFound(f"sampler {sampler_id!r} not found")
-    return record
+    return await gateway.store.owned(s.KV_SAMPLERS, sampler_id, SamplerRecord, tenant.id, "sampler")
 
 
 @post("/api/v1/create_sampling_session", status_code=200, operation_id="create_sampling_session")
