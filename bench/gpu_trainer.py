@@ -26,7 +26,6 @@ profile_engine.txt and profile_hf.txt (top kernels), and whatever the caller tee
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import gc
 import json
@@ -79,8 +78,6 @@ ENGINE_WORKLOADS = [
 ]
 HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
-VARIANTS = ["fast-lora", "sync-free-rope", "fast-lora+sync-free-rope"]
-VARIANT_WORKLOADS = ["4x1024", "1x4096", "16x256", "16x256 8 tenants", "8x1024", "8x1024 8 tenants"]
 PROFILE_WORKLOAD = "4x1024"
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
@@ -414,29 +411,8 @@ class Bench:
         datums = self.datums(self.doc_len(doc_len), docs, tenants)
         self.sync_audit(lambda: engine.forward_backward(datums, "cross_entropy"), "base")
 
-        # Experiments (bench-only patches, not the trainer's code): a constant-kernel-count
-        # LoRA delta and a sync-free THD RoPE; each checked against the trainer's own numbers.
-        check = self.datums(self.doc_len(256), 16, 8, seed=7)
-        ref = engine.forward_backward(check, "cross_entropy", forward_only=True)
-        for label in VARIANTS:
-            with variant(label):
-                got = engine.forward_backward(check, "cross_entropy", forward_only=True)
-                diff = max(
-                    float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(ref, got, strict=True)
-                )
-                self.results.put("variant_check", label, {"max_abs_logprob_diff": diff})
-                self.log(label, "max |logprob diff| vs the trainer as is:", diff)
-                for name in VARIANT_WORKLOADS:
-                    if self.time_left() < 170:
-                        continue
-                    run(*by_name[name], label=f"{backend} +{label}")
-                if label == VARIANTS[-1]:
-                    self.sync_audit(lambda: engine.forward_backward(datums, "cross_entropy"), label)
-
-        # Profiles of one step (after the warm runs above): as is, and with both patches.
+        # Profile of one step (after the warm runs above).
         self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine")
-        with variant(VARIANTS[-1]):
-            self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine_patched")
 
         # Optimizer on the engine's own 8-slot pool (grads exist from the steps above).
         hp = AdamParams(learning_rate=1e-5)
@@ -715,137 +691,6 @@ class Bench:
         text = "\n".join(parts) + "\n"
         (self.out / "summary.md").write_text(text)
         print(text, flush=True)
-
-
-def _fast_delta(self: Any, x: torch.Tensor) -> torch.Tensor | None:
-    """Bench-only experiment, not the trainer's code: ``SlotAdapter.delta`` with a fixed
-    number of kernels per module whatever the number of tenants.
-
-    One slot: ``((x @ A^T) * scaling) @ B^T`` with no pad/cat copies of the [T, out] output.
-    Several slots: the active slots' adapters side by side, ``h = x @ [A_1; ..; A_S]^T``
-    ([T, S*r_max]), each token's h zeroed outside its own slot's block and scaled by it (a
-    [T, S] mask built once per forward), then one ``h @ [B_1 .. B_S]^T``.  Ranks below r_max
-    are exact because rows/columns past a slot's rank are zero.  Costs S times the LoRA
-    FLOPs (about 1.5% of the step per slot at rank 32) but launches O(1) kernels.
-    """
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-
-    region = (
-        copy_to_tensor_model_parallel_region
-        if self.target.column_parallel
-        else reduce_from_tensor_model_parallel_region
-    )
-    routing, group = self.routing, self.target.group
-    active = [s for s in routing.segments if routing.configs[s.slot].trains(group)]
-    if not active:
-        return None
-    slots = sorted({s.slot for s in active})
-    covered = sum(s.end - s.start for s in active) == x.shape[0]
-    if len(slots) == 1 and covered:
-        cfg = routing.configs[slots[0]]
-        a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
-        h = region((x @ a.t()) * cfg.scaling)  # [T, 1, r]
-        b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
-        return h @ b.t()  # [T, 1, out]
-    # Per forward (segments list) and group: the [T, S] mask and the slot index, built once on
-    # the host and copied once, so the 145 adapters of one forward cause no host round trip.
-    cache: tuple[Any, dict[Any, tuple[torch.Tensor, torch.Tensor]]] | None
-    cache = getattr(routing, "_bench_cache", None)
-    if cache is None or cache[0] is not routing.segments:
-        cache = (routing.segments, {})
-        routing._bench_cache = cache
-    key = (group, x.device, x.dtype)
-    if key not in cache[1]:
-        mask = torch.zeros(x.shape[0], len(slots))
-        for seg in active:
-            mask[seg.start : seg.end, slots.index(seg.slot)] = routing.configs[seg.slot].scaling
-        cache[1][key] = (mask.to(x.device, x.dtype), torch.tensor(slots, device=x.device))
-    mask, index = cache[1][key]  # [T, S], [S]
-    n, r = len(slots), self.max_rank
-    a = self.lora_A.index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
-    h = region(x @ a.t())  # [T, 1, S*r]
-    h = (h.view(-1, 1, n, r) * mask.view(-1, 1, n, 1)).view(-1, 1, n * r)
-    b = self.lora_B.index_select(0, index).to(x.dtype)  # [S, out, r]
-    return h @ b.permute(1, 0, 2).reshape(b.shape[1], n * r).t()  # [T, 1, out]
-
-
-@contextmanager
-def fast_lora() -> Iterator[None]:
-    from services.trainer.lora import SlotAdapter
-
-    original = SlotAdapter.delta
-    SlotAdapter.delta = _fast_delta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        SlotAdapter.delta = original  # type: ignore[method-assign]
-
-
-_POSITIONS: dict[str, Any] = {"key": None, "pos": None}
-
-
-def _thd_rope_gather(
-    t: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    freqs: torch.Tensor,
-    rotary_interleaved: bool = False,
-    multi_latent_attention: bool = False,
-    mscale: float = 1.0,
-    cp_group: Any = None,
-) -> torch.Tensor:
-    """Bench-only experiment: megatron's THD RoPE without its host syncs.
-
-    megatron 0.16.1 (``rope_utils._apply_rotary_pos_emb_thd``) reads the document lengths
-    back to the host (``.tolist()``, and ``freqs.size(0) == cu_seqlens[-1]``) twice per
-    layer, then slices and concatenates the frequencies document by document.  Positions
-    restart at 0 in every document, so the same frequencies are ``freqs[pos]`` with
-    ``pos = t - cu_seqlens[doc(t)]``, computed on the device once per forward.  At context
-    parallel size 1 the result is bit-identical.
-    """
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from services.trainer.attention import document_ids
-
-    if cp_group is not None and cp_group.size() > 1:
-        raise NotImplementedError("bench RoPE patch is for context parallel size 1")
-    total = t.shape[0]
-    if _POSITIONS["key"] is not cu_seqlens:
-        doc = document_ids(cu_seqlens, total)  # [T]
-        pos = torch.arange(total, device=t.device) - cu_seqlens.long()[doc]  # [T]
-        _POSITIONS.update(key=cu_seqlens, pos=pos)
-    return rope_utils._apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1),
-        freqs[_POSITIONS["pos"]],  # [T, 1, 1, d]
-        rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention,
-        mscale=mscale,
-    ).squeeze(1)
-
-
-@contextmanager
-def sync_free_rope() -> Iterator[None]:
-    from megatron.core.models.common.embeddings import rope_utils
-
-    original = rope_utils._apply_rotary_pos_emb_thd
-    rope_utils._apply_rotary_pos_emb_thd = _thd_rope_gather
-    try:
-        yield
-    finally:
-        rope_utils._apply_rotary_pos_emb_thd = original
-
-
-@contextmanager
-def variant(name: str) -> Iterator[None]:
-    """``base``, ``fast-lora``, ``sync-free-rope`` or ``fast-lora+sync-free-rope``."""
-    with contextlib.ExitStack() as stack:
-        if "fast-lora" in name:
-            stack.enter_context(fast_lora())
-        if "sync-free-rope" in name:
-            stack.enter_context(sync_free_rope())
-        yield
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
