@@ -387,7 +387,8 @@ def test_sample_response_is_read_back_by_the_sdk() -> None:
     assert [s.tokens for s in sdk.sequences] == [[10, 11], [12, 13, 14, 15], [16]]
     assert [s.stop_reason for s in sdk.sequences] == ["stop", "length", "stop"]
     assert sdk.sequences[0].logprobs == [-0.5, -0.75]
-    np.testing.assert_allclose(sdk.sequences[1].logprobs or [], [-0.1, -0.2, -0.3, -0.4], rtol=1e-6)
+    # logprobs travel as float32: exactly the float32 values, nothing else
+    assert sdk.sequences[1].logprobs == np.array([-0.1, -0.2, -0.3, -0.4], np.float32).tolist()
     assert sdk.sequences[2].logprobs is None
     assert sdk.sequences[0].topk_logprobs == sample_topk
     assert sdk.sequences[1].topk_logprobs is None

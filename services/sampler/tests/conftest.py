@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 from litestar.testing import TestClient
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from libs.models.tiny import build_tiny
 from services.sampler.app import create_app
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine
+from tests.hf_reference import HFReference
 
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_NAMES = [f"ad{i}" for i in range(8)]
@@ -60,44 +60,9 @@ def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return dirs
 
 
-class Reference:
-    """Plain transformers + PEFT, the independent reference for greedy tokens and logprobs."""
-
-    def __init__(self, model_dir: Path, adapters: dict[str, Path]) -> None:
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-        names = list(adapters)
-        self.model = PeftModel.from_pretrained(base.eval(), str(adapters[names[0]]), adapter_name=names[0])
-        for name in names[1:]:
-            self.model.load_adapter(str(adapters[name]), adapter_name=name)
-        self.model.eval()
-
-    def _use(self, adapter: str | None) -> AbstractContextManager[object]:
-        if adapter is None:
-            return self.model.disable_adapter()
-        self.model.set_adapter(adapter)
-        return nullcontext()
-
-    def greedy(self, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode(), self._use(adapter):
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-        return [int(t) for t in out[0, len(prompt) :]]
-
-    def logprobs(self, tokens: list[int], adapter: str | None) -> torch.Tensor:
-        """(len(tokens), V) log-softmax of the fp32 logits of one plain forward."""
-        with torch.inference_mode(), self._use(adapter):
-            logits = self.model(input_ids=torch.tensor([tokens])).logits[0].float()
-        return torch.log_softmax(logits, dim=-1)
-
-
 @pytest.fixture(scope="session")
-def reference(model_dir: Path, adapter_dirs: dict[str, Path]) -> Reference:
-    return Reference(model_dir, adapter_dirs)
+def reference(model_dir: Path, adapter_dirs: dict[str, Path]) -> HFReference:
+    return HFReference(model_dir, adapter_dirs)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,10 @@ import pytest
 from litestar.testing import TestClient
 
 from services.sampler.engine import HFEngine
-from services.sampler.tests.conftest import ADAPTER_NAMES, ATTN_MLP, Reference, make_adapter
+from services.sampler.tests.conftest import ADAPTER_NAMES, ATTN_MLP, make_adapter
+from tests.hf_reference import HFReference
+
+pytestmark = pytest.mark.numerics  # also run under other thread counts and CPU paths (tests/infra)
 
 PROMPTS = [[11, 17, 300, 45, 987, 12], [40, 5, 6], [1200, 44, 88, 301, 7, 9, 1000, 64], [77, 78], [500] * 5]
 
@@ -43,7 +46,7 @@ def run_held(engine: HFEngine, client: TestClient, bodies: list[dict[str, Any]])
 
 
 def test_concurrent_requests_for_eight_adapters_are_batched_and_correct(
-    client: TestClient, engine: HFEngine, reference: Reference
+    client: TestClient, engine: HFEngine, reference: HFReference
 ) -> None:
     """Eight concurrent requests, one per adapter, prefill as one batch and each matches PEFT."""
     cases = [(PROMPTS[i % len(PROMPTS)], name, 4 + i) for i, name in enumerate(ADAPTER_NAMES)]
@@ -57,7 +60,7 @@ def test_concurrent_requests_for_eight_adapters_are_batched_and_correct(
 
 
 def test_requests_join_a_running_batch_correctly(
-    small_client: TestClient, small_engine: HFEngine, adapter_dirs: dict[str, Path], reference: Reference
+    small_client: TestClient, small_engine: HFEngine, adapter_dirs: dict[str, Path], reference: HFReference
 ) -> None:
     """With two batch slots, a third request joins mid-flight (KV merge) and all three stay exact."""
     for name in ("ad0", "ad1", "ad2"):
@@ -74,7 +77,7 @@ def test_requests_join_a_running_batch_correctly(
 
 
 def test_lru_eviction_then_transparent_reload(
-    small_client: TestClient, small_engine: HFEngine, adapter_dirs: dict[str, Path], reference: Reference
+    small_client: TestClient, small_engine: HFEngine, adapter_dirs: dict[str, Path], reference: HFReference
 ) -> None:
     """Past max_loaded_loras the least recently used adapter is evicted; using it reloads it."""
 

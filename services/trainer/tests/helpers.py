@@ -7,6 +7,7 @@ hand-written LoRA on HF's separate projections; q/k/v share one ``A`` and gate/u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +18,9 @@ from services.trainer.engine import DatumInput, TrainerEngine
 from services.trainer.lora import SlotConfig
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
+from tests.numerics import U32, ChainShape, gamma, logit_magnitude, logprob_magnitude
 
 VOCAB = 2048
-
-
-def assert_close_scaled(
-    actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5, what: str = ""
-) -> None:
-    """``max|actual - expected| <= tol * max(1, max|expected|)`` (fp32 noise grows with scale)."""
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual.double() - expected.double()).abs().max())
-    assert diff <= tol * scale, f"{what}: max diff {diff:.3g} > {tol:g} * {scale:.3g}"
 
 
 def random_tokens(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,27 +57,72 @@ def to_hf_layout(
 
 
 class _RefLoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, a: nn.Parameter, b: nn.Parameter, scaling: float) -> None:
+    """``base(x) + s * B(A x)``; records the magnitudes of the terms of ``dL/dA`` and ``dL/dB``
+    (for ``tests.numerics``) when the backward pass runs through it."""
+
+    def __init__(
+        self, base: nn.Linear, a: nn.Parameter, b: nn.Parameter, scaling: float, magnitudes: _Magnitudes
+    ) -> None:
         super().__init__()
-        self.base, self.a, self.b, self.scaling = base, a, b, scaling
+        self.base, self.a, self.b, self.scaling, self.magnitudes = base, a, b, scaling, magnitudes
+        self.logit_mag: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.scaling * ((x @ self.a.t()) @ self.b.t())  # [.., out]
+        ax = x @ self.a.t()  # [.., r]
+        out = self.base(x) + self.scaling * (ax @ self.b.t())  # [.., out]
+        # |terms| of every output: |x||W| + s (|x||A|)|B|
+        self.logit_mag = logit_magnitude(x, self.base.weight) + self.scaling * logit_magnitude(
+            logit_magnitude(x, self.a), self.b
+        )
+        if out.requires_grad:
+            xa, axa = x.detach().abs().double().flatten(0, -2), ax.detach().abs().double().flatten(0, -2)
+
+            def record(dy: torch.Tensor) -> None:
+                dya = dy.detach().abs().double().flatten(0, -2)  # [T, out]
+                s = self.scaling
+                self.magnitudes.add(self.b, s * dya.t() @ axa)  # dL/dB = s dy^T (A x)
+                self.magnitudes.add(self.a, s * (dya @ self.b.detach().abs().double()).t() @ xa)  # s (B^T dy) x^T
+
+            out.register_hook(record)
+        return out
+
+
+class _Magnitudes:
+    """Sum over every token and datum of |terms| of each parameter's gradient, keyed by parameter."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def add(self, param: nn.Parameter, terms: torch.Tensor) -> None:
+        key = id(param)
+        self.sums[key] = self.sums[key] + terms if key in self.sums else terms
 
 
 class ReferenceLoRAModel:
-    """HF model + plain-torch LoRA built from PEFT-keyed tensors."""
+    """HF model + plain-torch LoRA built from PEFT-keyed tensors, in float64 by default (a
+    reference whose own rounding is negligible next to the fp32 engine's)."""
 
-    def __init__(self, model_dir: Path, peft: dict[str, torch.Tensor], config: SlotConfig) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        peft: dict[str, torch.Tensor] | None = None,
+        config: SlotConfig | None = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model.to(dtype)
+        self.dtype = dtype
+        self.chain = ChainShape.of_hf_config(self.model.config)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.params: dict[str, nn.Parameter] = {}
+        self.magnitudes = _Magnitudes()
         shared_a = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
         modules = dict(self.model.named_modules())
         prefix = "base_model.model."
+        peft = peft or {}  # no adapter: the base model
         names = sorted({k[len(prefix) : -len(".lora_A.weight")] for k in peft if k.endswith("lora_A.weight")})
         # Create owners of shared A first (q before k/v, gate before up).
         for name in sorted(names, key=lambda n: n.split(".")[-1] in shared_a):
@@ -94,25 +132,93 @@ class ReferenceLoRAModel:
                 owner = f"{prefix}{name.rsplit('.', 1)[0]}.{shared_a[leaf]}.lora_A.weight"
                 self.params[a_key] = self.params[owner]
             else:
-                self.params[a_key] = nn.Parameter(peft[a_key].clone())
+                self.params[a_key] = nn.Parameter(peft[a_key].clone().to(dtype))
             b_key = f"{prefix}{name}.lora_B.weight"
-            self.params[b_key] = nn.Parameter(peft[b_key].clone())
+            self.params[b_key] = nn.Parameter(peft[b_key].clone().to(dtype))
             parent_name, _, attr = name.rpartition(".")
             base = modules[name]
             assert isinstance(base, nn.Linear)
-            wrapped = _RefLoRALinear(base, self.params[a_key], self.params[b_key], config.scaling)
+            assert config is not None
+            wrapped = _RefLoRALinear(base, self.params[a_key], self.params[b_key], config.scaling, self.magnitudes)
             setattr(modules[parent_name], attr, wrapped)
+        self._lm_head_in: torch.Tensor | None = None
+        self._logit_mag = torch.zeros(0)
+        self._logit_mag_max = 0.0
+        self.model.lm_head.register_forward_hook(lambda _m, args, _out: setattr(self, "_lm_head_in", args[0]))
+
+    def logits(self, tokens: np.ndarray) -> torch.Tensor:
+        """[N, V] logits of one document; records the magnitudes their bounds need."""
+        logits = self.model(torch.from_numpy(tokens)[None]).logits[0].to(self.dtype)  # [N, V]
+        head = self.model.lm_head
+        if isinstance(head, _RefLoRALinear):
+            assert head.logit_mag is not None
+            self._logit_mag = head.logit_mag[0]
+        else:
+            assert self._lm_head_in is not None
+            self._logit_mag = logit_magnitude(self._lm_head_in[0], head.weight)
+        self._logit_mag_max = max(self._logit_mag_max, float(self._logit_mag.max()))
+        return logits
+
+    def logit_bound(self, tokens: int) -> torch.Tensor:
+        """fp32 error bound of each logit of the last ``logits`` call (``tests.numerics``)."""
+        return gamma(self.chain.forward_depth(tokens)) * self._logit_mag
 
     def logprobs(self, tokens: np.ndarray, targets: np.ndarray) -> torch.Tensor:
-        logits = self.model(torch.from_numpy(tokens)[None]).logits[0]  # [N, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+        logp = torch.log_softmax(self.logits(tokens), dim=-1)  # [N, V]
         return logp.gather(-1, torch.from_numpy(targets)[:, None])[:, 0]  # [N]
+
+    def logprob_bound(self, targets: np.ndarray, u: float = U32) -> torch.Tensor:
+        """Error bound (unit roundoff ``u``: fp32 by default) of each logprob of the last
+        ``logprobs`` call (``tests.numerics``)."""
+        depth = self.chain.forward_depth(len(targets))
+        return gamma(depth, u) * logprob_magnitude(self._logit_mag, torch.from_numpy(targets))
 
     def grads(self) -> dict[str, torch.Tensor]:
         return {
             k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in self.params.items()
         }
 
+    def grad_bounds(self, longest_datum: int, total_tokens: int, u: float = U32) -> dict[str, torch.Tensor]:
+        """Error bound (unit roundoff ``u``) of every gradient entry accumulated since the last
+        ``zero_grad``.
+
+        Two sources: the rounding of the backward chain (the magnitude of the entry's terms times
+        gamma of the longest datum's forward-and-back chain plus the sum over every token), and the
+        backward's seeds, ``softmax(z) - onehot``: an absolute error ``dz`` in the logits moves the
+        softmax by up to ``2 |dz|`` relative, and ``|dz| <= gamma(forward) * max logit magnitude``.
+        """
+        chain = gamma(self.chain.backward_depth(longest_datum) + total_tokens, u)
+        seeds = 2 * gamma(self.chain.forward_depth(longest_datum), u) * self._logit_mag_max
+        return {k: (chain + seeds) * self.magnitudes.sums[id(p)] for k, p in self.params.items()}
+
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
+        self.magnitudes.sums.clear()
+        self._logit_mag_max = 0.0
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Error bounds of one slot's outputs (``tests.numerics``), from the float64 reference."""
+
+    logprobs: list[torch.Tensor]  # per datum, [N]
+    grads: dict[str, torch.Tensor]  # PEFT keys
+    grad_magnitudes: dict[str, torch.Tensor]  # sum of |terms| of every gradient entry
+
+
+def ce_bounds(
+    model_dir: Path, engine: TrainerEngine, state: SlotState, datums: list[DatumInput], u: float = U32
+) -> Bounds:
+    """Error bounds (unit roundoff ``u``) of the logprobs and the PEFT-keyed gradients of one slot's
+    cross-entropy datums."""
+    ref = ReferenceLoRAModel(model_dir, to_hf_layout(state.adapter, state.config, engine), state.config)
+    lp_bounds = []
+    for d in datums:
+        targets = np.asarray(d.loss_inputs["target_tokens"])
+        lp = ref.logprobs(d.tokens, targets)
+        lp_bounds.append(ref.logprob_bound(targets, u))
+        (-(torch.from_numpy(np.asarray(d.loss_inputs["weights"])).double() * lp).sum()).backward()
+    lengths = [d.num_tokens for d in datums]
+    magnitudes = {k: ref.magnitudes.sums[id(p)] for k, p in ref.params.items()}
+    return Bounds(lp_bounds, ref.grad_bounds(max(lengths), sum(lengths), u), magnitudes)

@@ -11,6 +11,9 @@ import torch
 from services.trainer.engine import AdamParams, TrainerEngine
 from services.trainer.lora import SlotConfig
 from services.trainer.tests.helpers import ce_datum, randomize_slot
+from tests.numerics import U32, assert_within, gamma
+
+pytestmark = pytest.mark.numerics  # also run under other thread counts and CPU paths (tests/infra)
 
 
 def _params(engine: TrainerEngine, slot: int) -> dict[str, torch.Tensor]:
@@ -45,11 +48,21 @@ def test_adamw_matches_torch(engine: TrainerEngine, clip: float) -> None:
         report = engine.optim_step({0: hp})[0]
         ref_opt.step()
         assert report.applied and report.step == step
-        assert math.isclose(report.grad_norm, ref_norm, rel_tol=1e-6)
+        # the same fp32 gradients, reduced in two orders: a sum of squares has no cancellation, so
+        # each side is within gamma(n) relative of the exact norm
+        entries = sum(p.numel() for p in ref.values())
+        assert_within(report.grad_norm, ref_norm, 2 * gamma(entries) * ref_norm, "grad norm")
         got = _params(engine, 0)
         for name, p in ref.items():
             if clip:
-                torch.testing.assert_close(got[name], p.detach(), atol=1e-7, rtol=1e-6)
+                # The clip coefficient carries the norm's rounding into the gradient, and Adam's
+                # m / sqrt(v) cancels a common scale of g up to eps: what is left is each step's
+                # elementwise rounding (at most 8 operations: decay, moments, bias corrections,
+                # sqrt, divide, scale, subtract) of |p| and of the update lr * |m / sqrt(v)|, which
+                # is at most lr / sqrt(1 - beta2) when beta1**2 <= beta2.
+                update = hp.learning_rate / math.sqrt(1 - hp.beta2)
+                bound = step * 8 * U32 * (p.detach().abs() + update)
+                assert_within(got[name], p.detach(), bound, name)
             else:
                 assert torch.equal(got[name], p.detach()), name
         assert not engine.has_pending_grads(0)

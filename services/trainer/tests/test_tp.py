@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import AutoConfig
 
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.parallel import free_port
-from services.trainer.tests.helpers import assert_close_scaled
-from services.trainer.tests.tp_worker import run_rank, scenario
+from services.trainer.tests.tp_worker import HP, run_rank, scenario
+from tests.numerics import ChainShape, assert_within, gamma
+
+pytestmark = pytest.mark.numerics  # also run under other thread counts and CPU paths (tests/infra)
 
 
 def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Logprobs, losses, grad norms, updated adapters and Adam moments agree to 1e-5."""
+    """Logprobs, losses, grad norms, updated adapters and Adam moments agree within fp32 rounding."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.start_processes(
         run_rank,
@@ -30,14 +34,29 @@ def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
 
     qkv_rows = (tp1_engine.shape.num_heads + 2 * tp1_engine.shape.num_groups) * tp1_engine.shape.head_dim
     assert tp2["local_qkv_rows"] == qkv_rows // 2  # really sharded over the two ranks
+
+    # Both sides are fp32 computations of the same math (TP=2 splits reductions and adds an
+    # all-reduce), so each value agrees within twice one fp32 bound (tests.numerics). The scenario's
+    # terms stay inside the worker, so the bounds are norm-wise: relative to each tensor's largest
+    # entry rather than to the magnitude of each entry's terms.
+    chain = ChainShape.of_hf_config(AutoConfig.from_pretrained(str(qwen_dir)))
+    g = gamma(chain.backward_depth(9) + 26 + 2)  # longest datum 9 tokens, 26 in the batch, all-reduce
     for a, b in zip(tp2["logprobs"], tp1["logprobs"], strict=True):
-        assert_close_scaled(torch.from_numpy(a), torch.from_numpy(b), 1e-5, "logprobs")
-    assert_close_scaled(torch.tensor(tp2["losses"]), torch.tensor(tp1["losses"]), 1e-5, "losses")
-    assert_close_scaled(torch.tensor(tp2["grad_norms"]), torch.tensor(tp1["grad_norms"]), 1e-5, "grad norms")
-    for table in ("adapters", "exp_avg_sq"):
-        for slot, tensors in tp1[table].items():
-            assert set(tp2[table][slot]) == set(tensors)
-            for name, want in tensors.items():
-                assert_close_scaled(tp2[table][slot][name], want, 1e-5, f"{table}[{slot}].{name}")
+        assert_within(a, b, 2 * g * np.abs(b).max(), "logprobs")
+    losses = np.asarray(tp1["losses"])
+    assert_within(tp2["losses"], losses, 2 * g * np.abs(losses).max() * 9, "losses")  # sums of <= 9 terms
+    norms = np.asarray(tp1["grad_norms"])
+    assert_within(tp2["grad_norms"], norms, 2 * g * norms, "grad norms")  # a sum of squares: no cancellation
+    # Adam with eps = 1: an update moves by at most lr * (gradient error) <= lr * g * |grad|, per step
+    drift = 2 * HP.learning_rate * g * float(norms.max())
+    for slot, tensors in tp1["adapters"].items():
+        assert set(tp2["adapters"][slot]) == set(tensors)
+        for name, want in tensors.items():
+            bound = 2 * g * float(want.abs().max()) + drift
+            assert_within(tp2["adapters"][slot][name], want, bound, f"adapters[{slot}].{name}")
+    for slot, tensors in tp1["exp_avg_sq"].items():
+        assert set(tp2["exp_avg_sq"][slot]) == set(tensors)
+        for name, want in tensors.items():  # (1 - b2) g^2: twice the gradient's relative error
+            assert_within(tp2["exp_avg_sq"][slot][name], want, 2 * 2 * g * float(want.abs().max()), f"exp_avg_sq[{slot}].{name}")
     for name, want in tp1["peft"].items():
-        assert_close_scaled(tp2["peft"][name], want, 1e-5, name)
+        assert_within(tp2["peft"][name], want, 2 * g * float(want.abs().max()) + drift, name)
