@@ -15,6 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -114,3 +115,9 @@ async def ensure_streams(js: JetStreamContext, retention: Retention | None = Non
             await js.create_key_value(kv)
         except nats.js.errors.BadRequestError:
             pass  # exists; KV settings never change after creation
+    try:
+        # nats-py overwrites config.bucket with its `bucket` argument: pass both
+        store = ObjectStoreConfig(bucket=s.OBJ_SNAPSHOTS, storage=StorageType.FILE)
+        await js.create_object_store(s.OBJ_SNAPSHOTS, store)
+    except nats.js.errors.BadRequestError:
+        pass  # exists

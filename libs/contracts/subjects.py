@@ -66,6 +66,9 @@ KV_QUEUE = "tinker_queue"
 KV_PLANNER = "tinker_planner"
 """Per-model planner summary (slot, queue depth, missing seq_id) for operators."""
 
+OBJ_SNAPSHOTS = "tinker_snapshots"
+"""Object store: the planner's state at known stream positions (services/planner/snapshot.py)."""
+
 ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE, KV_PLANNER)
 
 _ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")

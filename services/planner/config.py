@@ -18,6 +18,8 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens per work unit; a single datum over it ships alone."""
     gap_timeout_s: float = 120.0
     """A missing seq_id that stays missing this long is sealed as a failure."""
+    snapshot_every_s: float = 30.0
+    """How often (at most) the folded state is stored, bounding what a restart replays; 0: never."""
 
 
 def load_config(env: Mapping[str, str], **overrides: object) -> PlannerConfig:

@@ -1,4 +1,14 @@
-"""The planner's pure core: fold commands and outcomes, emit work units and barrier units.
+"""The planner's pure core: a fold of commands, emitted units and outcomes, and a decision.
+
+The planner's whole state (`PlannerState`) is a fold of three facts, `CommandArrived`,
+`UnitEmitted` and `OutcomeArrived`, through one function, `Planner.apply`. The live service and a
+replay after a restart call the same `apply`: the live path decides a unit (`Planner.decide`, pure:
+it reads the state and changes nothing), appends it to the work stream and applies its
+`UnitEmitted`; a replay applies every command, then every unit, then every outcome found in the
+streams, up to their last sequence. Both reach the same state, because every fact the state keeps
+about a window is fixed when its command is sequenced (see streams.py), not by the order in which
+outcomes are folded. A snapshot (`Planner.snapshot`) is that state at known stream positions, so
+a restart replays only what came after it.
 
 Rules (see docs/semantics.md):
 - Seed = the oldest ready thing by global arrival. If it is a datum, the unit packs every ready
@@ -15,10 +25,6 @@ Rules (see docs/semantics.md):
   "paused_capacity") until a model is unloaded.
 - Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
   whatever it can no longer run.
-
-Deterministic: the same commands and outcomes in the same order give the same units, and a fresh
-planner that folds every command, then `mark_emitted` for every unit already emitted, then every
-outcome, plans the same next units as the planner that saw them interleaved.
 """
 
 from __future__ import annotations
@@ -84,110 +90,136 @@ class Completion:
     body: ResultBody | None
 
 
+# --- facts ------------------------------------------------------------------------------------
+class CommandArrived(msgspec.Struct, frozen=True, tag="command"):
+    """A command read from the request stream at `arrival` (its stream sequence)."""
+
+    command: ModelCommand
+    arrival: int
+    now_ns: int = 0  # when it was read: starts a gap's timeout
+
+
+class UnitEmitted(msgspec.Struct, frozen=True, tag="unit"):
+    """A unit appended to the work stream (decided by this planner, or found there on replay)."""
+
+    unit: Unit
+
+
+class OutcomeArrived(msgspec.Struct, frozen=True, tag="outcome"):
+    """A trainer's outcome of a unit, read from the outcome stream."""
+
+    outcome: Outcome
+
+
+Fact = CommandArrived | UnitEmitted | OutcomeArrived
+
+
 @dataclass
-class Planner:
+class PlannerState:
+    """Everything the planner knows: a fold of facts, encodable as a snapshot."""
+
     num_slots: int
     token_budget: int = 16_384
     streams: dict[str, ModelStream] = field(default_factory=dict)
     slots: dict[int, str] = field(default_factory=dict)  # slot -> model_id
     units_emitted: int = 0
-    _inflight: dict[str, list[Member]] = field(default_factory=dict)  # emitted, outcome not folded
-    # Replay: units already emitted for requests not folded yet (the request stream is replayed
-    # only up to its ack floor): request_id -> (datums issued, barrier issued).
-    _premarked: dict[str, tuple[int, bool]] = field(default_factory=dict)
-    # ...and outcomes of such units that arrived before those requests did (folded once they have).
-    _deferred: dict[str, Outcome] = field(default_factory=dict)
+    inflight: dict[str, list[Member]] = field(default_factory=dict)  # emitted, outcome not folded
 
-    # --- folding inputs -----------------------------------------------------------------------
-    def on_command(self, command: ModelCommand, arrival: int, now_ns: int = 0) -> bool:
-        """Sequence a command; False if its seq_id was already seen (a duplicate has no effect)."""
-        sequenced = self._stream(command.model_id).accept(command, arrival, now_ns)
-        if sequenced is None:
-            return False
-        for pending in sequenced:
-            mark = self._premarked.pop(pending.command.request_id, None)
-            if mark is not None:
-                pending.issued = max(pending.issued, mark[0])
-                pending.barrier_issued = pending.barrier_issued or mark[1]
-        for unit_id, outcome in list(self._deferred.items()):
-            if not self._awaits_requests(unit_id):
-                del self._deferred[unit_id]
-                self._fold(outcome)  # its completions are picked up by the next collect()
+
+class Planner:
+    """The fold (`apply`), the decision (`decide`) and what the service reads off the state."""
+
+    def __init__(self, num_slots: int, token_budget: int = 16_384, state: PlannerState | None = None) -> None:
+        self.state = state or PlannerState(num_slots=num_slots, token_budget=token_budget)
+        self._outbox: list[Completion] = []  # finished requests not collected yet
+
+    @property
+    def streams(self) -> dict[str, ModelStream]:
+        return self.state.streams
+
+    # --- the fold -----------------------------------------------------------------------------
+    def apply(self, fact: Fact) -> bool:
+        """Fold one fact; False if it had no effect (a duplicate command, a unit seen before, an
+        outcome of a unit already folded). Requests it finished are queued for `collect`."""
+        match fact:
+            case CommandArrived(command=command, arrival=arrival, now_ns=now):
+                changed = self._stream(command.model_id).accept(command, arrival, now) is not None
+            case UnitEmitted(unit=unit):
+                changed = self._apply_unit(unit)
+            case OutcomeArrived(outcome=outcome):
+                changed = self._apply_outcome(outcome)
+        if changed:
+            self._settle()
+        return changed
+
+    def _apply_unit(self, unit: Unit) -> bool:
+        state = self.state
+        if unit_number(unit.unit_id) < state.units_emitted:
+            return False  # seen already
+        state.units_emitted = unit_number(unit.unit_id) + 1
+        match unit:
+            case WorkUnit(items=items):
+                state.inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
+                for item in items:
+                    pending = self._find(item.model_id, item.request_id)
+                    if pending is not None:
+                        pending.issued = max(pending.issued, item.index + 1)
+            case BarrierUnit(ops=ops):
+                state.inflight[unit.unit_id] = [(op.model_id, op.request_id, -1) for op in ops]
+                for op in ops:
+                    self._stream(op.model_id)
+                    pending = self._find(op.model_id, op.request_id)
+                    if pending is not None:
+                        pending.barrier_issued = True
+                    self._apply_barrier_side_effects(op)
         return True
 
-    def on_outcome(self, outcome: Outcome) -> list[Completion]:
-        """Fold a trainer outcome; an outcome for a unit already folded (a redelivery) has no effect."""
-        if self._awaits_requests(outcome.unit_id):
-            self._deferred[outcome.unit_id] = outcome  # replay: its requests are redelivered later
-            return []
-        self._fold(outcome)
-        return self._collect_completions()
-
-    def _awaits_requests(self, unit_id: str) -> bool:
-        members = self._inflight.get(unit_id)
-        return bool(self._premarked) and members is not None and any(m[1] in self._premarked for m in members)
-
-    def _fold(self, outcome: Outcome) -> None:
-        members = self._inflight.pop(outcome.unit_id, None)
+    def _apply_outcome(self, outcome: Outcome) -> bool:
+        members = self.state.inflight.pop(outcome.unit_id, None)
         if members is None:
-            return
-        if isinstance(outcome, WorkOutcome):
-            self._fold_work(outcome, members)
-        else:
-            self._fold_barrier(outcome, members)
+            return False  # a redelivery of an outcome already folded
+        match outcome:
+            case WorkOutcome():
+                self._fold_work(outcome, members)
+            case BarrierOutcome():
+                self._fold_barrier(outcome, members)
+        return True
 
-    def mark_emitted(self, unit: Unit) -> None:
-        """Replay: a unit found in the work stream was already emitted; don't plan it again."""
-        if unit_number(unit.unit_id) < self.units_emitted:
-            return  # seen already
-        self.units_emitted = unit_number(unit.unit_id) + 1
-        if isinstance(unit, WorkUnit):
-            self._inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in unit.items]
-            for item in unit.items:
-                pending = self._find(item.model_id, item.request_id)
-                if pending is not None:
-                    pending.issued = max(pending.issued, item.index + 1)
-                else:
-                    issued, barrier = self._premarked.get(item.request_id, (0, False))
-                    self._premarked[item.request_id] = (max(issued, item.index + 1), barrier)
-            return
-        self._inflight[unit.unit_id] = [(op.model_id, op.request_id, -1) for op in unit.ops]
-        for op in unit.ops:
-            self._stream(op.model_id)
-            pending = self._find(op.model_id, op.request_id)
-            if pending is not None:
-                pending.barrier_issued = True
-            else:
-                self._premarked[op.request_id] = (0, True)
-            self._apply_barrier_side_effects(op)
-
-    # --- planning -----------------------------------------------------------------------------
-    def plan(self) -> list[Unit]:
-        """Every unit that can be emitted now, in emission order."""
-        units: list[Unit] = []
-        while (unit := self._next_unit()) is not None:
-            units.append(unit)
-        return units
+    def _settle(self) -> None:
+        """After every fact: a closed model fails what it can no longer run, and finished
+        requests leave their queues for the outbox, in seq_id order."""
+        for stream in self.state.streams.values():
+            if stream.closed:
+                self._fail_unstarted(stream)
+            for pending in stream.pop_completed():
+                cmd = pending.command
+                if isinstance(cmd, Rejected):
+                    pending.error, pending.category = cmd.error, cmd.category
+                self._outbox.append(Completion(pending, stream.model_id, self._result_body(stream, pending)))
 
     def collect(self) -> list[Completion]:
-        """Requests that completed without a trainer (rejected seq_ids) or whose outcome arrived."""
-        return self._collect_completions()
+        """The requests finished since the last call (each exactly once), oldest fact first."""
+        done, self._outbox = self._outbox, []
+        return done
 
-    def waiting_for_capacity(self) -> list[str]:
-        """Request ids of create_models that wait for a free adapter slot (queue_state paused_capacity)."""
-        waiting = []
-        for stream in self.streams.values():
-            head = None if stream.closed else stream.ready_barrier()
-            if isinstance(head, Pending) and not self._barrier_can_run(stream, head):
-                waiting.append(head.command.request_id)
-        return sorted(waiting)
+    # --- snapshots ----------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """The state, encoded (msgpack); take it only when `collect` has been drained."""
+        assert not self._outbox, "snapshot with uncollected completions"
+        return msgspec.msgpack.encode(self.state)
 
-    def _next_unit(self) -> Unit | None:
-        """Seed on the oldest ready datum or barrier; build the unit that seed calls for."""
+    @classmethod
+    def restore(cls, data: bytes) -> Planner:
+        state = msgspec.msgpack.decode(data, type=PlannerState)
+        return cls(state.num_slots, state.token_budget, state)
+
+    # --- the decision -------------------------------------------------------------------------
+    def decide(self) -> Unit | None:
+        """The next unit to emit, or None; pure: the state changes only when it is applied."""
         best_rows: Pending | None = None
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
-        for stream in self.streams.values():
+        for stream in self.state.streams.values():
             if stream.closed:
                 continue
             for pending in stream.open_window():
@@ -205,14 +237,32 @@ class Planner:
             return self._barrier_unit(*best_barrier)
         return None
 
+    def plan(self) -> list[Unit]:
+        """Decide and apply every unit that can be emitted now, in emission order (the caller
+        appends them to the work stream in this order)."""
+        units: list[Unit] = []
+        while (unit := self.decide()) is not None:
+            self.apply(UnitEmitted(unit))
+            units.append(unit)
+        return units
+
+    def waiting_for_capacity(self) -> list[str]:
+        """Request ids of create_models that wait for a free adapter slot (queue_state paused_capacity)."""
+        waiting = []
+        for stream in self.state.streams.values():
+            head = None if stream.closed else stream.ready_barrier()
+            if isinstance(head, Pending) and not self._barrier_can_run(stream, head):
+                waiting.append(head.command.request_id)
+        return sorted(waiting)
+
     def _barrier_can_run(self, stream: ModelStream, pending: Pending) -> bool:
         if isinstance(pending.command, CreateModel):
             return stream.slot is not None or self._free_slot() is not None
         return True
 
     def _free_slot(self) -> int | None:
-        for slot in range(self.num_slots):
-            if slot not in self.slots:
+        for slot in range(self.state.num_slots):
+            if slot not in self.state.slots:
                 return slot
         return None
 
@@ -221,7 +271,7 @@ class Planner:
         assert isinstance(command, ForwardBackward)
         key = loss_class(command)
         rows: list[tuple[int, int, ModelStream, Pending]] = []
-        for stream in self.streams.values():
+        for stream in self.state.streams.values():
             if stream.closed:
                 continue
             for pending in stream.open_window():
@@ -235,15 +285,12 @@ class Planner:
         for _, index, stream, pending in rows:
             assert isinstance(pending.command, ForwardBackward) and stream.slot is not None
             datum = pending.command.data[index]
-            if items and tokens + datum.num_tokens > self.token_budget:
+            if items and tokens + datum.num_tokens > self.state.token_budget:
                 break  # strictly oldest first: nothing younger jumps over a datum that did not fit
             items.append(UnitItem(stream.model_id, pending.command.request_id, index, stream.slot, datum))
             tokens += datum.num_tokens
-            pending.issued += 1
-        unit_id = self._next_unit_id()
-        self._inflight[unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
         return WorkUnit(
-            unit_id=unit_id,
+            unit_id=self._next_unit_id(),
             forward_only=command.forward_only,
             loss_fn=command.loss_fn,
             loss_config=command.loss_config,
@@ -254,7 +301,7 @@ class Planner:
     def _barrier_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit:
         chosen = [(stream, head)]
         if isinstance(head.command, OptimStep):
-            for other in self.streams.values():
+            for other in self.state.streams.values():
                 if other is stream or other.closed:
                     continue
                 barrier = other.ready_barrier()
@@ -262,79 +309,67 @@ class Planner:
                     chosen.append((other, barrier))
         chosen.sort(key=lambda pair: pair[1].arrival)  # independent of stream insertion order
         ops = [self._barrier_op(s, p) for s, p in chosen]
-        unit_id = self._next_unit_id()
-        self._inflight[unit_id] = [(op.model_id, op.request_id, -1) for op in ops]
-        return BarrierUnit(unit_id=unit_id, ops=ops, traceparent=head.command.traceparent)
+        return BarrierUnit(unit_id=self._next_unit_id(), ops=ops, traceparent=head.command.traceparent)
 
     def _barrier_op(self, stream: ModelStream, pending: Pending) -> SlotOp:
-        """Decide what a barrier does, given the model's window state; marks it issued."""
-        pending.barrier_issued = True
+        """Decide what a barrier does, given the model's window state."""
         cmd = pending.command
-        rid, mid = cmd.request_id, stream.model_id
-        op: SlotOp
+        rid, mid, slot = cmd.request_id, stream.model_id, stream.slot
+        dirty = pending.window in stream.dirty
         if isinstance(cmd, CreateModel):
-            slot = self._free_slot() if stream.slot is None else stream.slot
-            assert slot is not None
-            op = InitSlot(model_id=mid, request_id=rid, slot=slot, lora=cmd.lora, restore=cmd.restore)
-        elif stream.slot is None or not stream.created:
-            op = FailRequest(model_id=mid, request_id=rid, error=f"model {mid} is not loaded")
-        elif isinstance(cmd, OptimStep):
-            poison = stream.poison.get(pending.window)
-            if poison is not None:
-                reason = f"the gradient window before optim_step seq_id {cmd.seq_id} is incomplete ({poison})"
-                op = DiscardSlot(model_id=mid, request_id=rid, slot=stream.slot, reason=reason)
-            else:
-                op = StepSlot(model_id=mid, request_id=rid, slot=stream.slot, adam=cmd.adam)
-        elif isinstance(cmd, SaveWeights):
-            if pending.window in stream.dirty:
-                op = FailRequest(model_id=mid, request_id=rid, error=SAVE_WITH_PENDING_GRADS)
-            else:
-                op = SaveSlot(
+            free = self._free_slot() if slot is None else slot
+            assert free is not None
+            return InitSlot(model_id=mid, request_id=rid, slot=free, lora=cmd.lora, restore=cmd.restore)
+        if slot is None or not stream.created:
+            return FailRequest(model_id=mid, request_id=rid, error=f"model {mid} is not loaded")
+        match cmd:
+            case OptimStep(seq_id=seq, adam=adam):
+                poison = stream.poison.get(pending.window)
+                if poison is None:
+                    return StepSlot(model_id=mid, request_id=rid, slot=slot, adam=adam)
+                reason = f"the gradient window before optim_step seq_id {seq} is incomplete ({poison})"
+                return DiscardSlot(model_id=mid, request_id=rid, slot=slot, reason=reason)
+            case SaveWeights() if dirty:
+                return FailRequest(model_id=mid, request_id=rid, error=SAVE_WITH_PENDING_GRADS)
+            case SaveWeights(name=name, ttl_s=ttl_s, user_metadata=metadata):
+                return SaveSlot(
                     model_id=mid,
                     request_id=rid,
-                    slot=stream.slot,
-                    tinker_path=f"tinker://{mid}/weights/{cmd.name}",
+                    slot=slot,
+                    tinker_path=f"tinker://{mid}/weights/{name}",
                     tenant=stream.tenant,
-                    ttl_s=cmd.ttl_s,
-                    user_metadata=cmd.user_metadata,
+                    ttl_s=ttl_s,
+                    user_metadata=metadata,
                 )
-        elif isinstance(cmd, SaveForSampler):
-            segment = "external_weights" if cmd.external else "sampler_weights"
-            path = f"tinker://{mid}/{segment}/{cmd.name}" if cmd.name else None
-            op = ExportSlot(
-                model_id=mid,
-                request_id=rid,
-                slot=stream.slot,
-                tinker_path=path,
-                sampling_session_id=cmd.sampling_session_id,
-                tenant=stream.tenant,
-                ttl_s=cmd.ttl_s,
-            )
-        elif isinstance(cmd, LoadWeights):
-            if pending.window in stream.dirty:
-                op = FailRequest(model_id=mid, request_id=rid, error=LOAD_WITH_PENDING_GRADS)
-            else:
-                op = LoadSlot(model_id=mid, request_id=rid, slot=stream.slot, restore=cmd.restore)
-        elif isinstance(cmd, UnloadModel):
-            op = ReleaseSlot(model_id=mid, request_id=rid, slot=stream.slot)
-        else:
-            op = FailRequest(
-                model_id=mid,
-                request_id=rid,
-                error=f"unsupported command {type(cmd).__name__}",
-                category="server",
-            )
-        self._apply_barrier_side_effects(op)
-        return op
+            case SaveForSampler(name=name, external=external, sampling_session_id=sampler, ttl_s=ttl_s):
+                segment = "external_weights" if external else "sampler_weights"
+                return ExportSlot(
+                    model_id=mid,
+                    request_id=rid,
+                    slot=slot,
+                    tinker_path=f"tinker://{mid}/{segment}/{name}" if name else None,
+                    sampling_session_id=sampler,
+                    tenant=stream.tenant,
+                    ttl_s=ttl_s,
+                )
+            case LoadWeights() if dirty:
+                return FailRequest(model_id=mid, request_id=rid, error=LOAD_WITH_PENDING_GRADS)
+            case LoadWeights(restore=restore):
+                return LoadSlot(model_id=mid, request_id=rid, slot=slot, restore=restore)
+            case UnloadModel():
+                return ReleaseSlot(model_id=mid, request_id=rid, slot=slot)
+        return FailRequest(
+            model_id=mid, request_id=rid, error=f"unsupported command {type(cmd).__name__}", category="server"
+        )
 
     def _apply_barrier_side_effects(self, op: SlotOp) -> None:
-        """Book-keeping that must happen when a barrier is emitted (and again on replay)."""
-        stream = self.streams.get(op.model_id)
+        """What emitting a barrier op does to the state (live and on replay alike)."""
+        stream = self.state.streams.get(op.model_id)
         if stream is None:
             return
         if isinstance(op, InitSlot):
             stream.slot = op.slot
-            self.slots[op.slot] = op.model_id
+            self.state.slots[op.slot] = op.model_id
         elif isinstance(op, (StepSlot, DiscardSlot)):
             stream.consume_window()
         elif isinstance(op, ReleaseSlot):
@@ -343,14 +378,12 @@ class Planner:
 
     def _free(self, stream: ModelStream) -> None:
         """Give the stream's slot back (only if it still holds it: replay folds outcomes late)."""
-        if stream.slot is not None and self.slots.get(stream.slot) == stream.model_id:
-            del self.slots[stream.slot]
+        if stream.slot is not None and self.state.slots.get(stream.slot) == stream.model_id:
+            del self.state.slots[stream.slot]
         stream.slot = None
 
     def _next_unit_id(self) -> str:
-        unit_id = f"u{self.units_emitted:012d}"
-        self.units_emitted += 1
-        return unit_id
+        return f"u{self.state.units_emitted:012d}"
 
     # --- outcomes -----------------------------------------------------------------------------
     def _fold_work(self, outcome: WorkOutcome, members: list[Member]) -> None:
@@ -408,18 +441,6 @@ class Planner:
                 pending.category = op.category
             pending.metrics, pending.info = dict(op.metrics), dict(op.info)
 
-    def _collect_completions(self) -> list[Completion]:
-        done: list[Completion] = []
-        for stream in self.streams.values():
-            if stream.closed:
-                self._fail_unstarted(stream)
-            for pending in stream.pop_completed():
-                cmd = pending.command
-                if isinstance(cmd, Rejected):
-                    pending.error, pending.category = cmd.error, cmd.category
-                done.append(Completion(pending, stream.model_id, self._result_body(stream, pending)))
-        return done
-
     @staticmethod
     def _fail_unstarted(stream: ModelStream) -> None:
         """A closed model runs nothing more: whatever was not handed to a trainer fails now
@@ -442,27 +463,26 @@ class Planner:
     def _result_body(self, stream: ModelStream, pending: Pending) -> ResultBody | None:
         if pending.error is not None:
             return Failure(error=pending.error, category=pending.category)
-        cmd = pending.command
-        metrics, info = pending.metrics, pending.info
-        if isinstance(cmd, ForwardBackward):
-            outputs = [o for o in pending.outputs if o is not None]
-            return ForwardBackwardResult(
-                outputs=outputs, metrics={"loss:sum": float(sum(o.loss for o in outputs))}
-            )
-        if info.get(HANDOFF):
-            return None
-        if isinstance(cmd, CreateModel) and cmd.restore is not None:  # create mode of load_weights
-            path = cmd.restore.tinker_path
-            return JsonResult(body={"model_id": stream.model_id, "path": path, "type": "load_weights"})
-        if isinstance(cmd, CreateModel):
-            return JsonResult(body={"model_id": stream.model_id, "type": "create_model"})
-        if isinstance(cmd, OptimStep):
-            return JsonResult(body={"metrics": dict(metrics), "type": "optim_step"})
-        if isinstance(cmd, LoadWeights):
-            return JsonResult(body={"path": cmd.restore.tinker_path, "type": "load_weights"})
-        if isinstance(cmd, UnloadModel):
-            return JsonResult(body={"model_id": stream.model_id, "type": "unload_model"})
-        return JsonResult(body={k: v for k, v in info.items()})
+        metrics, info, mid = pending.metrics, pending.info, stream.model_id
+        match pending.command:
+            case ForwardBackward():
+                outputs = [o for o in pending.outputs if o is not None]
+                return ForwardBackwardResult(
+                    outputs=outputs, metrics={"loss:sum": float(sum(o.loss for o in outputs))}
+                )
+            case _ if info.get(HANDOFF):
+                return None
+            case CreateModel(restore=restore) if restore is not None:  # create mode of load_weights
+                return JsonResult(body={"model_id": mid, "path": restore.tinker_path, "type": "load_weights"})
+            case CreateModel():
+                return JsonResult(body={"model_id": mid, "type": "create_model"})
+            case OptimStep():
+                return JsonResult(body={"metrics": dict(metrics), "type": "optim_step"})
+            case LoadWeights(restore=restore):
+                return JsonResult(body={"path": restore.tinker_path, "type": "load_weights"})
+            case UnloadModel():
+                return JsonResult(body={"model_id": mid, "type": "unload_model"})
+        return JsonResult(body=dict(info))
 
     def unit_traces(self, unit: Unit) -> list[str]:
         """The trace contexts of every request a unit serves (a packed unit serves many traces)."""
@@ -484,13 +504,13 @@ class Planner:
 
     # --- lookup -------------------------------------------------------------------------------
     def _stream(self, model_id: str) -> ModelStream:
-        stream = self.streams.get(model_id)
+        stream = self.state.streams.get(model_id)
         if stream is None:
-            stream = self.streams[model_id] = ModelStream(model_id)
+            stream = self.state.streams[model_id] = ModelStream(model_id)
         return stream
 
     def _find(self, model_id: str, request_id: str) -> Pending | None:
-        stream = self.streams.get(model_id)
+        stream = self.state.streams.get(model_id)
         if stream is None:
             return None
         for pending in stream.queue:
@@ -500,7 +520,7 @@ class Planner:
 
     def _find_with_stream(self, request_id: str) -> tuple[Pending | None, ModelStream | None]:
         model_id = model_of_request(request_id)
-        stream = self.streams.get(model_id)
+        stream = self.state.streams.get(model_id)
         if stream is None:
             return None, None
         for pending in stream.queue:

@@ -1,9 +1,12 @@
 """The planner service: folds the request and outcome streams, emits units, publishes results.
 
-Start-up is a replay: requests up to the durable's ack floor, the work stream (units already
-emitted are not planned again), outcomes up to their ack floor. Then live consumption through the
-two durable consumers. Invariant: a message is acked only after everything it caused is durable
-(units appended, results appended), so a crash at any point replays into the same plan.
+Start-up is a replay through the same `Planner.apply` the live path uses: the newest snapshot (if
+any), then every request, every unit and every outcome after the snapshot's positions, up to each
+stream's last sequence. Results of requests that the replay finds finished are appended again
+(`publish_once`: the server refuses a second result for a request, so those a previous process
+published have no second effect). Then live consumption through the two durable consumers; what
+they redeliver was folded by the replay already and has no effect. Invariant: a message is acked
+only after everything it caused is durable (units appended, results appended).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from infra import tracing
-from infra.bus import Bus, ack_floor, ensure_durable, fetch_loop, last_seq, replay
+from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -27,8 +30,17 @@ from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import BarrierUnit, Unit, WorkUnit
+from services.planner import snapshot
 from services.planner.config import PlannerConfig
-from services.planner.planner import PAUSED_CAPACITY, Completion, Planner
+from services.planner.planner import (
+    PAUSED_CAPACITY,
+    CommandArrived,
+    Completion,
+    OutcomeArrived,
+    Planner,
+    UnitEmitted,
+)
+from services.planner.snapshot import PlannerSnapshot, Positions
 from services.planner.streams import SEALED
 
 log = logging.getLogger("tinkerd.planner")
@@ -58,36 +70,59 @@ class PlannerService:
         self._lock = asyncio.Lock()
         self._paused: set[str] = set()  # create_model requests published as paused_capacity
         self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
+        self._positions = Positions()  # the last sequence folded, per stream
+        self._snapshot_due_ns = 0
+        self._replayed: list[Completion] = []  # finished requests found by the replay
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
-        requests_floor = await ack_floor(self.bus, s.STREAM_REQUESTS, s.DURABLE_PLANNER_REQUESTS)
-        outcomes_floor = await ack_floor(self.bus, s.STREAM_OUTCOMES, s.DURABLE_PLANNER_OUTCOMES)
-        work_last = await last_seq(self.bus, s.STREAM_WORK)
-
+        saved = await snapshot.load(self.bus, self.config.trainer_group)
+        if saved is not None:
+            self.planner = Planner.restore(saved.state)
+            self.planner.state.num_slots, self.planner.state.token_budget = (
+                self.config.num_slots,
+                self.config.token_budget,
+            )
+            self._positions = saved.positions
         replay_ns = now_ns()  # a hole found on replay gets a full gap timeout from now
 
         def on_request(msg: Msg) -> None:
             command = codec.command_decoder.decode(msg.data)
-            self.planner.on_command(command, msg.metadata.sequence.stream, replay_ns)
+            self.planner.apply(CommandArrived(command, msg.metadata.sequence.stream, replay_ns))
 
         def on_unit(msg: Msg) -> None:
-            self.planner.mark_emitted(codec.unit_decoder.decode(msg.data))
+            self.planner.apply(UnitEmitted(codec.unit_decoder.decode(msg.data)))
 
         def on_outcome(msg: Msg) -> None:
-            self.planner.on_outcome(codec.outcome_decoder.decode(msg.data))
+            self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
 
-        n_req = await replay(self.bus, s.STREAM_REQUESTS, s.REQUESTS_ALL, requests_floor, on_request)
-        n_work = await replay(self.bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_unit)
-        n_out = await replay(self.bus, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, outcomes_floor, on_outcome)
-        self.planner.collect()  # already published before the crash (acked => durable)
+        # Requests, then units, then outcomes: each fact finds what it refers to already folded.
+        counts, last = [], {}
+        for stream, subject, handle, start in (
+            (s.STREAM_REQUESTS, s.REQUESTS_ALL, on_request, self._positions.requests),
+            (s.STREAM_WORK, s.work_subject(self.config.trainer_group), on_unit, self._positions.work),
+            (s.STREAM_OUTCOMES, s.OUTCOMES_ALL, on_outcome, self._positions.outcomes),
+        ):
+            last[stream] = await last_seq(self.bus, stream)
+            counts.append(await replay(self.bus, stream, subject, last[stream], handle, from_seq=start + 1))
+        self._positions = Positions(
+            requests=max(self._positions.requests, last[s.STREAM_REQUESTS]),
+            work=max(self._positions.work, last[s.STREAM_WORK]),
+            outcomes=max(self._positions.outcomes, last[s.STREAM_OUTCOMES]),
+        )
+        self._replayed = self.planner.collect()  # published (again, at most once) before going live
         self._paused = {s.untoken(key) for key in await self._queue_keys()}  # re-checked on _advance
-        log.info("replayed %d requests, %d units, %d outcomes", n_req, n_work, n_out)
+        log.info(
+            "replayed %d requests, %d units, %d outcomes after snapshot %s",
+            *counts,
+            "none" if saved is None else saved.positions,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         requests = await self.bus.pull(s.REQUESTS_ALL, s.DURABLE_PLANNER_REQUESTS, s.STREAM_REQUESTS)
         outcomes = await self.bus.pull(s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES, s.STREAM_OUTCOMES)
         async with self._lock:
+            await self._publish_completions(self._replayed)
             await self._advance()  # anything the replay left plannable
         log.info("planner ready")
         tasks = [
@@ -110,18 +145,24 @@ class PlannerService:
     async def _on_requests(self, msgs: list[Msg]) -> None:
         async with self._lock:
             for msg in msgs:
+                seq = msg.metadata.sequence.stream
                 command = codec.command_decoder.decode(msg.data)
-                self.planner.on_command(command, msg.metadata.sequence.stream, now_ns())
+                self.planner.apply(CommandArrived(command, seq, now_ns()))
+                self._positions = msgspec.structs.replace(
+                    self._positions, requests=max(self._positions.requests, seq)
+                )
             await self._advance()
             for msg in msgs:
                 await msg.ack()
 
     async def _on_outcomes(self, msgs: list[Msg]) -> None:
         async with self._lock:
-            completions: list[Completion] = []
             for msg in msgs:
-                completions += self.planner.on_outcome(codec.outcome_decoder.decode(msg.data))
-            await self._publish_completions(completions)
+                seq = msg.metadata.sequence.stream
+                self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
+                self._positions = msgspec.structs.replace(
+                    self._positions, outcomes=max(self._positions.outcomes, seq)
+                )
             await self._advance()
             for msg in msgs:
                 await msg.ack()
@@ -134,6 +175,18 @@ class PlannerService:
         await self._publish_completions(self.planner.collect())
         await self._publish_queue_state()
         await self._publish_model_summaries()
+        await self._maybe_snapshot()
+
+    async def _maybe_snapshot(self) -> None:
+        """Store the state at the current positions, at most every `snapshot_every_s`. Called with
+        everything the state caused already durable (units appended, results published)."""
+        every_s = self.config.snapshot_every_s
+        if every_s <= 0 or now_ns() < self._snapshot_due_ns:
+            return
+        self._snapshot_due_ns = now_ns() + int(every_s * 1e9)
+        record = PlannerSnapshot(positions=self._positions, state=self.planner.snapshot(), at_ns=now_ns())
+        size = await snapshot.save(self.bus, self.config.trainer_group, record)
+        log.debug("snapshot at %s (%d bytes)", self._positions, size)
 
     async def _publish_model_summaries(self) -> None:
         """Write each model's summary when it changed (operators read them: `tinkerd status`)."""
@@ -181,12 +234,13 @@ class PlannerService:
             "planner.unit", unit.traceparent, links=self.planner.unit_traces(unit), unit_id=unit.unit_id
         ) as ctx:
             unit = msgspec.structs.replace(unit, traceparent=ctx, at_ns=now_ns())
-            await self.bus.publish(
+            ack = await self.bus.publish(
                 s.work_subject(self.config.trainer_group),
                 codec.pack(unit),
                 msg_id=unit.unit_id,
                 traceparent=ctx,
             )
+        self._positions = msgspec.structs.replace(self._positions, work=max(self._positions.work, ack.seq))
         if isinstance(unit, WorkUnit):
             models = sorted({item.model_id for item in unit.items})
             requests = sorted({item.request_id for item in unit.items})

@@ -1,8 +1,9 @@
 """A pure driver for the planner: commands in, units out, a fake trainer's outcomes back in.
 
 `Sim` keeps the whole history (commands with their arrival numbers, units, outcomes) so a test
-can rebuild a fresh planner from any prefix, as the planner service does on restart, and it
-counts how often each request completed (exactly once is the invariant).
+can rebuild a fresh planner from any prefix, as the planner service does on restart (every
+command, then every unit, then every outcome, through `Planner.apply`), and it counts how often
+each request completed (exactly once is the invariant).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
-from services.planner.planner import HANDOFF, Planner
+from services.planner.planner import HANDOFF, CommandArrived, Fact, OutcomeArrived, Planner, UnitEmitted
 
 DISCARDED = (
     "this window's gradients were discarded and no step was applied; resubmit the batch's "
@@ -195,7 +196,7 @@ class Sim:
         accepted = []
         for command in commands:
             self.arrival += 1
-            accepted.append(self.planner.on_command(command, self.arrival, now_ns=self.arrival))
+            accepted.append(self.planner.apply(CommandArrived(command, self.arrival, now_ns=self.arrival)))
             self.history.append(("command", len(self.commands)))
             self.commands.append((command, self.arrival))
             self.sent.add(command.request_id)
@@ -214,7 +215,8 @@ class Sim:
         outcome = outcome or trainer_outcome(unit, **faults)  # type: ignore[arg-type]
         self.history.append(("outcome", len(self.outcomes)))
         self.outcomes.append(outcome)
-        self._record(self.planner.on_outcome(outcome))
+        self.planner.apply(OutcomeArrived(outcome))
+        self._record(self.planner.collect())
         return outcome
 
     def run(self) -> list[Unit]:
@@ -246,24 +248,27 @@ class Sim:
                 f"{request_id}: {len(self.results[request_id])} completions"
             )
 
-    def replayed(self, upto: int | None = None) -> Planner:
-        """A fresh planner rebuilt as the service does on start: every command, then every unit
-        (`mark_emitted`), then every outcome of the first `upto` history entries."""
-        history = self.history[:upto] if upto is not None else self.history
-        fresh = Planner(num_slots=self.num_slots, token_budget=self.token_budget)
+    def replayed(self, upto: int | None = None, start: Planner | None = None, after: int = 0) -> Planner:
+        """A planner rebuilt as the service does on start: `start` (a snapshot's planner, taken at
+        history entry `after`; a fresh planner if None), then every command, then every unit, then
+        every outcome of history entries `after` to `upto`."""
+        history = self.history[after:upto] if upto is not None else self.history[after:]
+        fresh = start or Planner(num_slots=self.num_slots, token_budget=self.token_budget)
         for kind in ("command", "unit", "outcome"):
             for what, index in history:
-                if what != kind:
-                    continue
-                if kind == "command":
-                    command, arrival = self.commands[index]
-                    fresh.on_command(command, arrival, now_ns=arrival)
-                elif kind == "unit":
-                    fresh.mark_emitted(self.units[index])
-                else:
-                    fresh.on_outcome(self.outcomes[index])
+                if what == kind:
+                    fresh.apply(self.fact(what, index))
         fresh.collect()
         return fresh
+
+    def fact(self, what: str, index: int) -> Fact:
+        """History entry (`what`, `index`) as the fact the planner folds."""
+        if what == "command":
+            command, arrival = self.commands[index]
+            return CommandArrived(command, arrival, now_ns=arrival)
+        if what == "unit":
+            return UnitEmitted(self.units[index])
+        return OutcomeArrived(self.outcomes[index])
 
 
 def encoded(units: list[Unit]) -> list[bytes]:

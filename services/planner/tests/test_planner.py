@@ -5,6 +5,8 @@ No NATS, no trainer: `Sim` feeds commands, collects units and answers them with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from libs.contracts.outcomes import BarrierOutcome, OpOutcome, WorkOutcome
@@ -21,7 +23,14 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
-from services.planner.planner import LOAD_WITH_PENDING_GRADS, SAVE_WITH_PENDING_GRADS, Planner
+from services.planner.planner import (
+    LOAD_WITH_PENDING_GRADS,
+    SAVE_WITH_PENDING_GRADS,
+    CommandArrived,
+    OutcomeArrived,
+    Planner,
+    UnitEmitted,
+)
 from services.planner.streams import SEALED
 from services.planner.tests.sim import (
     DISCARDED,
@@ -219,14 +228,14 @@ def test_a_sealed_gap_lets_later_requests_run() -> None:
 
 def test_the_gap_timer_starts_with_the_hole_and_later_arrivals_do_not_reset_it() -> None:
     planner = Planner(num_slots=1)
-    planner.on_command(create("a"), 1, now_ns=100)
-    planner.on_command(fb("a", 2, [1]), 2, now_ns=200)
-    planner.on_command(fb("a", 3, [1]), 3, now_ns=300)
+    planner.apply(CommandArrived(create("a"), 1, now_ns=100))
+    planner.apply(CommandArrived(fb("a", 2, [1]), 2, now_ns=200))
+    planner.apply(CommandArrived(fb("a", 3, [1]), 3, now_ns=300))
     stream = planner.streams["a"]
     assert (stream.missing_seq, stream.gap_since_ns) == (1, 200)
-    planner.on_command(fb("a", 1, [1]), 4, now_ns=400)
+    planner.apply(CommandArrived(fb("a", 1, [1]), 4, now_ns=400))
     assert (stream.missing_seq, stream.gap_since_ns) == (None, None)
-    planner.on_command(fb("a", 5, [1]), 5, now_ns=500)
+    planner.apply(CommandArrived(fb("a", 5, [1]), 5, now_ns=500))
     assert (stream.missing_seq, stream.gap_since_ns) == (4, 500)
 
 
@@ -320,7 +329,8 @@ def test_a_redelivered_outcome_has_no_effect() -> None:
     sim.send(fb("a", 1, [2, 2]), fb("a", 2, [2]))
     units = sim.plan()
     outcome = sim.finish(units[0])
-    assert sim.planner.on_outcome(outcome) == []
+    assert sim.planner.apply(OutcomeArrived(outcome)) is False
+    assert sim.planner.collect() == []
     sim.assert_all_completed_once()
     body = sim.result("a:1")
     assert isinstance(body, ForwardBackwardResult) and len(body.outputs) == 2
@@ -425,7 +435,7 @@ def test_every_request_of_a_closed_model_completes_once() -> None:
     assert "was unloaded" in sim.failure("a:6").error
     sim.send(optim("a", 7))
     sim.assert_all_completed_once()
-    assert "a" not in sim.planner.slots.values()
+    assert "a" not in sim.planner.state.slots.values()
 
 
 def test_a_model_whose_create_never_arrived_fails_its_requests() -> None:
@@ -500,18 +510,18 @@ def test_a_restarted_planner_plans_what_the_live_one_plans() -> None:
         check_restart_at(live, cut)
 
 
-def check_restart_at(live: Sim, cut: int) -> None:
-    """Rebuild from a prefix of the history (every command, then `mark_emitted` for every unit,
-    then every outcome), then feed the rest in its live order."""
+def check_restart_at(live: Sim, cut: int, start: Planner | None = None, after: int = 0) -> Planner:
+    """Rebuild from a prefix of the history (every command, then every unit, then every outcome,
+    after the snapshot `start` taken at entry `after` if given), then feed the rest in its live
+    order; returns the rebuilt planner after the whole history."""
     history = live.history
-    fresh = live.replayed(cut)
+    fresh = live.replayed(cut, start, after)
     # Replay the live run from the cut on, feeding the fresh planner the same inputs; every unit it
     # plans must be the one the live planner planned at that point.
     pending_units: list[Unit] = []
     for what, index in history[cut:]:
         if what == "command":
-            command, arrival = live.commands[index]
-            fresh.on_command(command, arrival, now_ns=arrival)
+            fresh.apply(live.fact(what, index))
             fresh.collect()
         elif what == "unit":
             if not pending_units:
@@ -522,70 +532,105 @@ def check_restart_at(live: Sim, cut: int) -> None:
             )
             assert encoded([pending_units.pop(0)]) == encoded([live.units[index]]), f"cut {cut}"
         else:
-            fresh.on_outcome(live.outcomes[index])
+            fresh.apply(live.fact(what, index))
+            fresh.collect()
     assert pending_units == [] and fresh.plan() == []
+    return fresh
 
 
-def test_replay_with_requests_past_the_ack_floor_does_not_reissue() -> None:
-    """The service replays requests only up to their ack floor: units already emitted for later
-    requests are remembered and applied when those requests are redelivered."""
+def live_snapshots(scenario_fn: Callable[[], Sim]) -> list[bytes]:
+    """The live planner's snapshot after every history entry of the scenario (entry k: after k)."""
+    snaps: list[bytes] = []
+    sim = scenario_fn()
+    rerun = Sim(num_slots=sim.num_slots, token_budget=sim.token_budget)
+    snaps.append(rerun.planner.snapshot())
+    for what, index in sim.history:
+        if what == "unit":
+            [unit] = [u for u in [rerun.planner.decide()] if u is not None]
+            assert encoded([unit]) == encoded([sim.units[index]])
+        rerun.planner.apply(sim.fact(what, index))
+        rerun.planner.collect()
+        snaps.append(rerun.planner.snapshot())
+    return snaps
+
+
+def test_snapshot_plus_replay_equals_full_replay() -> None:
+    """A planner restored from the live planner's snapshot at entry k, then folding the rest of
+    the history as a restart does, plans what the live planner planned and ends in the same state
+    as a full replay, for every k and every later cut."""
+    live = scenario()
+    snaps = live_snapshots(scenario)
+    full = live.replayed()
+    assert full.snapshot() == Planner.restore(full.snapshot()).snapshot()  # the encoding round-trips
+    for after, snap in enumerate(snaps):
+        for cut in range(after, len(live.history) + 1, 3):
+            rebuilt = check_restart_at(live, cut, Planner.restore(snap), after)
+            assert rebuilt.snapshot() == full_after(live), f"snapshot {after}, cut {cut}"
+
+
+def full_after(live: Sim) -> bytes:
+    """The state of a planner that replayed the whole history and planned what was left."""
+    fresh = live.replayed()
+    fresh.plan()
+    fresh.collect()
+    return fresh.snapshot()
+
+
+def test_requests_redelivered_after_a_full_replay_are_duplicates() -> None:
+    """The service replays every stream to its last sequence; the durable consumers then redeliver
+    whatever was not acked (here: everything after the creates), and none of it is issued again."""
     sim = started("a", "b", token_budget=4)
     sim.send(fb("a", 1, [2, 2, 2]), fb("b", 1, [2]), optim("b", 2))
     units = sim.plan()
-    fresh = Planner(num_slots=sim.num_slots, token_budget=sim.token_budget)
+    fresh = sim.replayed()
     floor = 2  # only the creates were acked
-    for command, arrival in sim.commands[:floor]:
-        fresh.on_command(command, arrival)
-    for unit in sim.units:
-        fresh.mark_emitted(unit)
-    for outcome in sim.outcomes:
-        fresh.on_outcome(outcome)
     for command, arrival in sim.commands[floor:]:
-        fresh.on_command(command, arrival)
-    fresh.collect()
+        assert fresh.apply(CommandArrived(command, arrival)) is False
+    assert fresh.collect() == []
     assert fresh.plan() == []
     for unit in units:
-        for planner in (sim.planner, fresh):
-            planner.on_outcome(sim.finish(unit) if planner is sim.planner else sim.outcomes[-1])
+        outcome = sim.finish(unit)
+        fresh.apply(OutcomeArrived(outcome))
     assert encoded(fresh.plan()) == encoded(sim.plan())
 
 
-def test_an_outcome_redelivered_before_its_request_is_folded_when_the_request_arrives() -> None:
-    """After a restart the request and outcome consumers redeliver independently: an outcome of a
-    unit whose request is not folded yet waits for it instead of being lost (a hung future)."""
+def test_an_outcome_redelivered_after_a_full_replay_has_no_second_effect() -> None:
+    """After a restart the replay has folded every outcome in the stream: the requests they
+    finished are completed by the replay (the service publishes them once more, refused by the
+    server if they were published), and the consumer's redelivery of those outcomes does nothing."""
     sim = started("a")
     sim.send(fb("a", 1, [2, 2]), optim("a", 2))
     [unit] = sim.plan()
     outcome = sim.finish(unit)
     [step] = sim.plan()
     fresh = Planner(num_slots=sim.num_slots, token_budget=sim.token_budget)
-    for command, arrival in sim.commands[:1]:  # only the create was acked
-        fresh.on_command(command, arrival)
+    for what, index in sim.history:
+        if what == "command":
+            fresh.apply(sim.fact(what, index))
     for emitted in sim.units:
-        fresh.mark_emitted(emitted)
-    fresh.on_outcome(sim.outcomes[0])  # the create's outcome was acked
-    assert fresh.on_outcome(outcome) == []  # its request has not been redelivered yet
-    for command, arrival in sim.commands[1:]:
-        fresh.on_command(command, arrival)
+        fresh.apply(UnitEmitted(emitted))
+    fresh.apply(OutcomeArrived(sim.outcomes[0]))  # the create's outcome
+    fresh.collect()
+    assert fresh.apply(OutcomeArrived(outcome)) is True
     completions = fresh.collect()
     assert [c.pending.command.request_id for c in completions] == ["a:1"]
     assert isinstance(completions[0].body, ForwardBackwardResult)
+    assert fresh.apply(OutcomeArrived(outcome)) is False  # the redelivery
     assert fresh.plan() == []  # the step was already emitted
     step_outcome = sim.finish(step)
-    assert [c.pending.command.request_id for c in fresh.on_outcome(step_outcome)] == ["a:2"]
+    fresh.apply(OutcomeArrived(step_outcome))
+    assert [c.pending.command.request_id for c in fresh.collect()] == ["a:2"]
 
 
-def test_mark_emitted_twice_is_harmless() -> None:
+def test_a_unit_applied_twice_is_harmless() -> None:
     sim = started("a")
     sim.send(fb("a", 1, [2]))
     [unit] = sim.plan()
     fresh = sim.replayed()
-    fresh.mark_emitted(unit)
+    assert fresh.apply(UnitEmitted(unit)) is False
     assert fresh.plan() == []
-    assert fresh.on_outcome(WorkOutcome(unit_id=unit.unit_id))  # completes a:1 (a failed unit)
-    assert (
-        fresh.on_outcome(
-            BarrierOutcome(unit_id=unit.unit_id, ops=[OpOutcome(model_id="a", request_id="a:1", ok=True)])
-        )
-        == []
-    )
+    assert fresh.apply(OutcomeArrived(WorkOutcome(unit_id=unit.unit_id)))  # completes a:1 (a failed unit)
+    assert [c.pending.command.request_id for c in fresh.collect()] == ["a:1"]
+    barrier = BarrierOutcome(unit_id=unit.unit_id, ops=[OpOutcome(model_id="a", request_id="a:1", ok=True)])
+    assert fresh.apply(OutcomeArrived(barrier)) is False
+    assert fresh.collect() == []
