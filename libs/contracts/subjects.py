@@ -8,7 +8,11 @@ may not contain `:`, which the SDK's model ids (`{session}:train:{n}`) do, so `t
 
 from __future__ import annotations
 
-import re
+# Identities live in ids.py; re-exported here, where subjects and keys are built from them.
+from libs.contracts.ids import is_valid_id as is_valid_id
+from libs.contracts.ids import seq_key as seq_key
+from libs.contracts.ids import token as token
+from libs.contracts.ids import untoken as untoken
 
 # --- streams -------------------------------------------------------------------------------------
 STREAM_REQUESTS = "TINKER_REQUESTS"
@@ -71,26 +75,6 @@ OBJ_SNAPSHOTS = "tinker_snapshots"
 
 ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE, KV_PLANNER)
 
-_ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
-
-
-def is_valid_id(value: str) -> bool:
-    """True when `value` could be an id Tinkerd minted (anything else is unknown by construction)."""
-    return bool(_ID.match(value))
-
-
-def token(value: str) -> str:
-    """Return `value` as a single subject token / KV key, or raise ValueError if it cannot be one."""
-    if not is_valid_id(value):
-        raise ValueError(f"not a valid id: {value!r}")
-    return value.replace(":", "=")
-
-
-def untoken(value: str) -> str:
-    """Inverse of `token()`."""
-    return value.replace("=", ":")
-
-
 def request_subject(model_id: str) -> str:
     """The per-model subject that carries a model's accepted commands in seq_id order."""
     return f"tinker.req.{token(model_id)}"
@@ -119,11 +103,3 @@ def sample_subject(sampler_id: str) -> str:
 def event_subject(kind: str, model_id: str | None) -> str:
     """`tinker.events.<kind>.<model or _>`: filter by kind, by model, or watch everything."""
     return f"tinker.events.{token(kind)}.{token(model_id) if model_id else '_'}"
-
-
-def seq_key(model_id: str, seq_id: int) -> str:
-    return f"{token(model_id)}.{seq_id}"
-
-
-def sample_seq_key(sampling_session_id: str, seq_id: int) -> str:
-    return f"{token(sampling_session_id)}.{seq_id}"

@@ -17,13 +17,13 @@ import nats.errors
 from libs.checkpoints import layout
 from libs.contracts import subjects as s
 from libs.contracts import tinker_wire as w
+from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, NotFound
 
 NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
-SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 def check_name(name: str | None, field: str) -> str:
@@ -36,23 +36,15 @@ def check_name(name: str | None, field: str) -> str:
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """`tinker://{run}/{segment}/{name}` -> (run id, checkpoint type, name)."""
-    if not path.startswith("tinker://"):
-        raise BadRequest(f"path {path!r} must start with tinker://")
-    parts = path[len("tinker://") :].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENTS:
-        raise BadRequest(
-            f"path {path!r} must look like tinker://RUN/(weights|sampler_weights|external_weights)/NAME"
-        )
-    run, segment, name = parts
-    if not s.is_valid_id(run):
+    """`tinker://{run}/{segment}/{name}` -> (run id, checkpoint type, name), or a 400/404."""
+    try:
+        parsed = TinkerPath.parse(path)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if not s.is_valid_id(parsed.run):
         raise NotFound(f"checkpoint {path!r} not found")
-    check_name(name, "checkpoint name")
-    return run, SEGMENTS[segment], name
-
-
-def checkpoint_key(run: str, kind: str, name: str) -> str:
-    return f"{s.token(run)}.{kind}.{name}"
+    check_name(parsed.name, "checkpoint name")
+    return parsed.run, parsed.kind, parsed.name
 
 
 def within(root: Path, candidate: Path) -> bool:
@@ -89,9 +81,6 @@ async def resolve_checkpoint(
 
 # --- catalogue views (what RestClient and the CLI read) -----------------------------------------
 
-KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
-
-
 def at(ns: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.UTC)
 
@@ -105,7 +94,7 @@ def str_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
 
 def checkpoint_view(record: CheckpointRecord) -> w.Checkpoint:
     return w.Checkpoint(
-        checkpoint_id=f"{KIND_SEGMENT[record.kind]}/{record.name}",
+        checkpoint_id=f"{SEGMENT_OF_KIND[record.kind]}/{record.name}",
         checkpoint_type=record.kind,  # type: ignore[arg-type]
         time=at(record.created_ns),
         tinker_path=record.tinker_path,
@@ -160,7 +149,7 @@ async def owned_checkpoint(
 
     A missing record of a run the caller owns is (key, None), so deletes stay idempotent.
     """
-    path = f"tinker://{run_id}/{checkpoint_id}"
+    path = f"{SCHEME}{run_id}/{checkpoint_id}"
     run, kind, name = parse_tinker_path(path)
     key = checkpoint_key(run, kind, name)
     record = await gateway.store.get(s.KV_CHECKPOINTS, key, CheckpointRecord)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from libs.contracts.ids import HANDOFF, owner_of_request, tinker_path
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
     CreateModel,
@@ -62,9 +63,6 @@ from libs.contracts.work import (
     WorkUnit,
 )
 from services.planner.streams import ModelStream, Pending
-
-HANDOFF = "handoff"
-"""OpOutcome.info key: the request's result will be published by another service (the publisher)."""
 
 PAUSED_CAPACITY = "paused_capacity"
 
@@ -336,18 +334,18 @@ class Planner:
                     model_id=mid,
                     request_id=rid,
                     slot=slot,
-                    tinker_path=f"tinker://{mid}/weights/{name}",
+                    tinker_path=tinker_path(mid, "training", name),
                     tenant=stream.tenant,
                     ttl_s=ttl_s,
                     user_metadata=metadata,
                 )
             case SaveForSampler(name=name, external=external, sampling_session_id=sampler, ttl_s=ttl_s):
-                segment = "external_weights" if external else "sampler_weights"
+                kind = "external" if external else "sampler"
                 return ExportSlot(
                     model_id=mid,
                     request_id=rid,
                     slot=slot,
-                    tinker_path=f"tinker://{mid}/{segment}/{name}" if name else None,
+                    tinker_path=tinker_path(mid, kind, name) if name else None,
                     sampling_session_id=sampler,
                     tenant=stream.tenant,
                     ttl_s=ttl_s,
@@ -519,7 +517,7 @@ class Planner:
         return None
 
     def _find_with_stream(self, request_id: str) -> tuple[Pending | None, ModelStream | None]:
-        model_id = model_of_request(request_id)
+        model_id = owner_of_request(request_id)
         stream = self.state.streams.get(model_id)
         if stream is None:
             return None, None
@@ -527,11 +525,6 @@ class Planner:
             if pending.command.request_id == request_id:
                 return pending, stream
         return None, stream
-
-
-def model_of_request(request_id: str) -> str:
-    """Request ids are `{model_id}:{seq_id}` (deterministic from the SDK's own coordinates)."""
-    return request_id.rsplit(":", 1)[0]
 
 
 def unit_number(unit_id: str) -> int:

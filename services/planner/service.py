@@ -22,7 +22,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted, RequestFailed, UnitPlanned
@@ -324,7 +324,7 @@ class PlannerService:
                 await self._seal(stream.model_id, stream.tenant, missing)
 
     async def _seal(self, model_id: str, tenant: str, seq_id: int) -> None:
-        request_id = f"{model_id}:{seq_id}"
+        request_id = ids.request_id(model_id, seq_id)
         kv = await self.bus.kv(s.KV_SEQ)
         claim = SeqClaim(
             request_id=request_id, fingerprint="sealed", kind="sealed", tenant=tenant, accepted_ns=now_ns()
@@ -353,7 +353,7 @@ class PlannerService:
             at_ns=now_ns(),
         )
         log.warning(error)
-        await self.bus.publish(s.request_subject(model_id), codec.pack(sealed), msg_id=f"{model_id}:{seq_id}")
+        await self.bus.publish(s.request_subject(model_id), codec.pack(sealed), msg_id=request_id)
 
 
 async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:

@@ -20,6 +20,7 @@ from litestar.response import File, Stream
 from libs.contracts import subjects as s
 from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
+from libs.contracts.ids import SCHEME
 from libs.contracts.records import CheckpointRecord
 from services.gateway import downloads
 from services.gateway.auth import Tenant
@@ -170,7 +171,7 @@ async def external_weights_urls(
     request: AnyRequest, run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> w.ExternalWeightsUrlsResponse:
     """One signed URL per file (what `tinker checkpoint download` fetches with urllib)."""
-    record = await readable_checkpoint(gateway, tenant, f"tinker://{run_id}/{segment}/{name}")
+    record = await readable_checkpoint(gateway, tenant, f"{SCHEME}{run_id}/{segment}/{name}")
     expires = _expiry()
     urls = downloads.sign_files(
         _base_url(gateway, request), gateway.signing_secret, gateway.data_dir, Path(record.directory), expires
@@ -183,7 +184,7 @@ async def checkpoint_archive(
     request: AnyRequest, run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> w.ArchiveUrlResponse:
     """SDKs <= 0.35: one signed URL to a tar of the checkpoint (the 200 JSON form)."""
-    record = await readable_checkpoint(gateway, tenant, f"tinker://{run_id}/{segment}/{name}")
+    record = await readable_checkpoint(gateway, tenant, f"{SCHEME}{run_id}/{segment}/{name}")
     expires = _expiry()
     relative = str(Path(record.directory).relative_to(gateway.data_dir))
     url = downloads.signed_url(_base_url(gateway, request), gateway.signing_secret, relative, expires)

@@ -34,7 +34,7 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
         return None, None
     if ":sample:" in entity:
         sampler = await gateway.store.get(s.KV_SAMPLERS, s.token(entity), SamplerRecord)
-        claim = await gateway.store.get(s.KV_SAMPLE_SEQ, s.sample_seq_key(entity, int(seq)), SeqClaim)
+        claim = await gateway.store.get(s.KV_SAMPLE_SEQ, s.seq_key(entity, int(seq)), SeqClaim)
         return (sampler.tenant if sampler else None), claim
     model = await gateway.store.get(s.KV_MODELS, s.token(entity), ModelRecord)
     claim = await gateway.store.get(s.KV_SEQ, s.seq_key(entity, int(seq)), SeqClaim)

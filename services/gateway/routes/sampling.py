@@ -209,7 +209,7 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     if seq < 0:
         raise BadRequest(f"seq_id must be >= 0, got {seq}")
     prompt, max_tokens = _checked_prompt(data, gateway)
-    request_id, key = f"{sampler.sampler_id}:{seq}", s.sample_seq_key(sampler.sampler_id, seq)
+    request_id, key = f"{sampler.sampler_id}:{seq}", s.seq_key(sampler.sampler_id, seq)
     digest = fingerprint_json("sample", msgspec.to_builtins(data))
     existing = await gateway.store.get(s.KV_SAMPLE_SEQ, key, SeqClaim)
     if existing is None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from libs.contracts import codec
 from libs.contracts.common import AdamSpec, BusDatum, BusTensor, LoraSpec
+from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
     CreateModel,
@@ -36,7 +37,7 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
-from services.planner.planner import HANDOFF, CommandArrived, Fact, OutcomeArrived, Planner, UnitEmitted
+from services.planner.planner import CommandArrived, Fact, OutcomeArrived, Planner, UnitEmitted
 
 DISCARDED = (
     "this window's gradients were discarded and no step was applied; resubmit the batch's "
