@@ -81,7 +81,8 @@ class PlannerService:
         n_work = await replay(self.bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_unit)
         n_out = await replay(self.bus, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, outcomes_floor, on_outcome)
         self.planner.collect()  # already published before the crash (acked => durable)
-        self._paused = {s.untoken(key) for key in await self._queue_keys()}  # re-checked on _advance
+        # Re-checked on _advance. Samples waiting for an engine are the gateway's records, not ours.
+        self._paused = {s.untoken(key) for key in await self._queue_keys() if "=sample=" not in key}
         log.info("replayed %d requests, %d units, %d outcomes", n_req, n_work, n_out)
 
     async def run(self, stop: asyncio.Event) -> None:
