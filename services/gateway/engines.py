@@ -132,6 +132,11 @@ class Residency:
         except (OSError, ValueError):
             return False
 
+    async def settled(self) -> None:
+        """Return once no unload is in progress (tests; shutdown)."""
+        while self._trimming is not None and not self._trimming.done():
+            await asyncio.shield(self._trimming)
+
     def _schedule_trim(self) -> None:
         if len(self.resident) + len(self.foreign) <= self.capacity:
             return
@@ -261,9 +266,7 @@ class EnginePool:
 
     async def close(self) -> None:
         tasks = [t for t in (self._probe, *self._preloads) if t is not None]
-        for residency in self.residency.values():
-            if residency._trimming is not None:
-                tasks.append(residency._trimming)
+        tasks += [r._trimming for r in self.residency.values() if r._trimming is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
