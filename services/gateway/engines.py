@@ -37,7 +37,7 @@ log = logging.getLogger("tinkerd.gateway.engines")
 MISSING_RETRIES = 3
 """How often one sample loads its adapter again after the engine said it does not hold it."""
 PROBE_FIRST_S = 0.25
-PROBE_MAX_S = 2.0
+PROBE_MAX_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
