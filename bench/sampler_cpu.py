@@ -13,8 +13,7 @@ tokens/s = 16 N / wall time of the whole batch; the ratio is against "1 adapter"
 Part 2, a real stack through the SDK: after an optimizer step, the time from
 ``save_weights_for_sampler`` to the first successful ``sample`` of the new weights, split into
 its calls; a second sample on the same client (adapter already loaded) is the steady state.
-Nothing is loaded into the engine by the save: the first sample (or the sampling client's
-ahead-of-time load) loads the adapter on demand.
+Nothing is loaded into the engine by the save: the first sample loads the adapter on demand.
 
 Part 3, the same stack: kill -9 of the sampler, then at once a ``sample`` of an existing
 snapshot and a ``save_weights_for_sampler``. The save completes with the engine down; the sample

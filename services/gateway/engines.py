@@ -91,11 +91,6 @@ class Residency:
         """The engine said it does not hold `name` (it restarted or evicted it)."""
         self.resident.pop(name, None)
 
-    async def preload(self, adapter: Adapter) -> None:
-        if adapter.directory is not None:
-            await self._ensure(adapter.name, adapter.directory)
-            self._schedule_trim()
-
     async def _ensure(self, name: str, directory: str) -> None:
         if name in self.resident:
             self.resident.move_to_end(name)
@@ -180,7 +175,6 @@ class EnginePool:
         self._back = asyncio.Event()
         self._probe: asyncio.Task[None] | None = None
         self._delay = PROBE_FIRST_S  # grows while engines stay unusable; reset by a served sample
-        self._preloads: set[asyncio.Task[None]] = set()
 
     def order(self, adapter: Adapter | None) -> list[str]:
         return rendezvous(self.urls, adapter.name if adapter else "")
@@ -222,19 +216,6 @@ class EnginePool:
                     log.info("%s does not hold adapter %s: loading it again", url, adapter.name)
         raise AssertionError("unreachable")
 
-    def preload(self, adapter: Adapter) -> None:
-        """Load `adapter` into its engine in the background; a failure only logs (sampling loads it)."""
-
-        async def run() -> None:
-            try:
-                await self.residency[self.order(adapter)[0]].preload(adapter)
-            except Exception as exc:
-                log.info("preloading adapter %s failed (it loads on first use): %s", adapter.name, exc)
-
-        task = asyncio.create_task(run())
-        self._preloads.add(task)
-        task.add_done_callback(self._preloads.discard)
-
     async def wait_available(self, timeout_s: float) -> bool:
         """Wait until some engine answers `/health` with 200; False after `timeout_s`."""
         if self._probe is None or self._probe.done():
@@ -265,7 +246,7 @@ class EnginePool:
                     return
 
     async def close(self) -> None:
-        tasks = [t for t in (self._probe, *self._preloads) if t is not None]
+        tasks = [self._probe] if self._probe is not None else []
         tasks += [r._trimming for r in self.residency.values() if r._trimming is not None]
         for task in tasks:
             task.cancel()

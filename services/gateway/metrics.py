@@ -107,7 +107,7 @@ def render(
             *family(
                 "tinkerd_gateway_engine_adapter_loads_total",
                 "counter",
-                "Adapter loads this replica sent to each engine (on demand and ahead of time).",
+                "Adapter loads this replica sent to each engine (each one on demand, for a sample).",
                 (({"engine": url}, r.loads) for url, r in per_engine),
             ),
             *family(

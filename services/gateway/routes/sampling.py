@@ -26,7 +26,6 @@ from libs.contracts.sampling import SampleJob
 from services.gateway.auth import Tenant
 from services.gateway.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
-from services.gateway.engines import Adapter
 from services.gateway.errors import BadRequest, Conflict
 from services.gateway.routes.bootstrap import owned_session
 from services.gateway.submit import fingerprint_json
@@ -69,9 +68,6 @@ async def create_sampling_session(
         raise Conflict(
             f"sampling_session_seq_id {data.sampling_session_seq_id} was already used for another sampler"
         )
-    if record.adapter_name and record.adapter_dir:
-        # Ahead-of-time load, an optimisation only: the first sample loads it if this did not.
-        gateway.engines.preload(Adapter(name=record.adapter_name, directory=record.adapter_dir))
     return w.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
 
