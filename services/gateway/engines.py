@@ -107,7 +107,7 @@ class Residency:
             self.loads += 1
             self.resident[name] = directory
             self.resident.move_to_end(name)
-            if reported is not None:
+            if reported is not None and name in reported:  # a report without it cannot be trusted
                 self._reconcile(reported)
             log.info("loaded adapter %s into %s (%d held)", name, self.url, len(self.resident))
         finally:
@@ -223,7 +223,7 @@ class EnginePool:
             self._probe = asyncio.create_task(self._probe_until_back(self._back))
         self.waiting += 1
         try:
-            await asyncio.wait_for(asyncio.shield(self._back.wait()), max(0.0, timeout_s))
+            await asyncio.wait_for(self._back.wait(), max(0.0, timeout_s))
             return True
         except TimeoutError:
             return False

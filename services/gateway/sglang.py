@@ -108,10 +108,26 @@ def _update(response: httpx.Response) -> LoRAUpdate:
         return LoRAUpdate(error_message=response.text[:500])
 
 
-def _reported(update: LoRAUpdate) -> dict[str, str] | None:
+def _adapter_path(ref: Any) -> str | None:
+    """The directory of one `loaded_adapters` entry: a path (the CPU sampler, some SGLang versions)
+    or SGLang's `LoRARef` (an object with `lora_path`, or its array form `[id, name, path, ...]`)."""
+    if isinstance(ref, str):
+        return ref
+    if isinstance(ref, dict) and isinstance(ref.get("lora_path"), str):
+        return str(ref["lora_path"])
+    if isinstance(ref, list) and len(ref) >= 3 and isinstance(ref[2], str):
+        return ref[2]
+    return None
+
+
+def reported_adapters(update: LoRAUpdate) -> dict[str, str] | None:
+    """{name: directory} of every adapter the engine says it holds; None when it says nothing usable."""
     if update.loaded_adapters is None:
         return None
-    return {name: path for name, path in update.loaded_adapters.items() if isinstance(path, str)}
+    out = {name: _adapter_path(ref) for name, ref in update.loaded_adapters.items()}
+    if any(path is None for path in out.values()):
+        return None  # a shape we do not know: better no reconciliation than a wrong one
+    return {name: path for name, path in out.items() if path is not None}
 
 
 async def load_adapter(client: httpx.AsyncClient, url: str, name: str, path: str) -> dict[str, str] | None:
@@ -122,10 +138,10 @@ async def load_adapter(client: httpx.AsyncClient, url: str, name: str, path: str
     response = await _post(client, url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
     update = _update(response)
     if response.status_code == 200 and update.success:
-        return _reported(update)
+        return reported_adapters(update)
     message = update.error_message or response.text[:500]
     if "already" in message.lower():  # SGLang: "... already exists"; the CPU sampler: "already loaded"
-        return _reported(update)
+        return reported_adapters(update)
     raise EngineError(response.status_code, message)
 
 

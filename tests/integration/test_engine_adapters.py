@@ -11,8 +11,8 @@ an in-process ASGI transport). What is checked is what a restarting or shared en
   while adapters from elsewhere (an operator's) are left alone;
 - an engine that cannot be reached is reported as unavailable, not as a refused request.
 
-The pure parts (engine choice by rendezvous hashing, reading SGLang's "not loaded" answer) are
-checked on their own below.
+The pure parts (engine choice by rendezvous hashing, reading SGLang's "not loaded" answer and
+its `loaded_adapters`) are checked on their own below.
 """
 
 from __future__ import annotations
@@ -179,3 +179,18 @@ def test_not_loaded_is_read_from_sglang_and_the_cpu_sampler_alike() -> None:
         assert sglang.adapter_missing(sglang.EngineError(400, f'{{"error": {{"message": "{message}"}}}}'))
     assert not sglang.adapter_missing(sglang.EngineError(400, '{"error": {"message": "prompt too long"}}'))
     assert not sglang.adapter_missing(sglang.EngineError(500, "not loaded"))
+
+
+def test_loaded_adapters_are_read_in_every_shape_engines_report_them() -> None:
+    """`loaded_adapters` maps names to paths (the CPU sampler), or to SGLang's `LoRARef` as an
+    object or in its array form; any other shape means "not reported", so nothing is reconciled."""
+    as_paths = sglang.LoRAUpdate(success=True, loaded_adapters={"a": "/d/a", "b": "/d/b"})
+    as_objects = sglang.LoRAUpdate(
+        success=True, loaded_adapters={"a": {"lora_id": "1", "lora_name": "a", "lora_path": "/d/a"}}
+    )
+    as_arrays = sglang.LoRAUpdate(success=True, loaded_adapters={"a": ["1", "a", "/d/a", False]})
+    assert sglang.reported_adapters(as_paths) == {"a": "/d/a", "b": "/d/b"}
+    assert sglang.reported_adapters(as_objects) == {"a": "/d/a"}
+    assert sglang.reported_adapters(as_arrays) == {"a": "/d/a"}
+    assert sglang.reported_adapters(sglang.LoRAUpdate(success=True, loaded_adapters={"a": 3})) is None
+    assert sglang.reported_adapters(sglang.LoRAUpdate(success=True)) is None
