@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 import tinker
 from tinker import types
@@ -188,9 +189,25 @@ class Watcher:
             self._thread.join(timeout=10)
 
 
+def poll_as_the_owner(base_url: str, label: str, request_id: str) -> dict[str, object]:
+    """One `retrieve_future` for `request_id`, with the key of whichever tenant owns it."""
+    for tenant in range(TENANTS):
+        headers = {"X-API-Key": f"tml-{label}-{tenant}"}
+        got = httpx.post(
+            f"{base_url}/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers, timeout=60
+        )
+        if got.status_code != 404:
+            return dict(got.json())
+    return {"status": "not found for any tenant"}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(tmp_path_factory.mktemp("sampler-restart"), env_overrides={"TINKERD_PLANNER_TOKEN_BUDGET": "1"})
+    env = {
+        "TINKERD_PLANNER_TOKEN_BUDGET": "1",
+        "TINKERD_GATEWAY_RETRIEVE_WAIT_S": "3",  # a pending future answers try_again after 3 s
+    }
+    running = Stack(tmp_path_factory.mktemp("sampler-restart"), env_overrides=env)
     running.start()
     try:
         yield running
@@ -235,9 +252,10 @@ def test_sampler_down_across_saves_saves_complete_and_samples_wait(
     stack: Stack, reference: dict[int, list[list[int]]]
 ) -> None:
     """The sampler is killed when this run's first optim_step completes and kept down until every
-    tenant has saved for the sampler since then and has a sample waiting, its future reporting
-    `paused_capacity` with a reason; then it starts again. Every save made while it was down
-    completed while it was down, every sample completes, and the samples equal the fault-free run's."""
+    tenant has saved for the sampler since then and has a sample waiting; then it starts again.
+    Every save made while it was down completed while it was down; each waiting sample's future
+    answered `try_again` with `paused_capacity` and a reason naming the engine; every sample
+    completes, and the samples equal the fault-free run's."""
     watch = Watcher(stack.nats_url).start()
     stopped = threading.Event()
     down_state: dict[str, object] = {}
@@ -256,6 +274,16 @@ def test_sampler_down_across_saves_saves_complete_and_samples_wait(
         with watch.cond:
             down_state["saved_while_down"] = set(watch.published[int(down_state["published_before"]) :])  # type: ignore[call-overload]
             down_state["waiting"] = dict(watch.paused)
+        polls = [
+            threading.Thread(
+                target=lambda rid=rid: down_state.setdefault(f"poll:{rid}", poll_as_the_owner(stack.base_url, "stopped", rid))
+            )
+            for rid in down_state["waiting"]  # type: ignore[attr-defined]
+        ]
+        for poll in polls:
+            poll.start()
+        for poll in polls:
+            poll.join()
         down_state["restarted"] = stack.start_service("sampler").wait(RESTART_TIMEOUT_S)
 
     try:
@@ -276,9 +304,13 @@ def test_sampler_down_across_saves_saves_complete_and_samples_wait(
     assert isinstance(saved, set) and len(saved) >= TENANTS, "every tenant's save completed with the engine down"
     waiting = down_state["waiting"]
     assert isinstance(waiting, dict)
-    for record in waiting.values():
+    for request_id, record in waiting.items():
         assert record.queue_state == "paused_capacity"
         assert "sampling engine is unavailable" in record.reason, record.reason
+        answer = down_state[f"poll:{request_id}"]  # what the SDK's poll got while the engine was down
+        assert isinstance(answer, dict)
+        assert answer.get("type") == "try_again" and answer.get("queue_state") == "paused_capacity", answer
+        assert "sampling engine is unavailable" in str(answer.get("queue_state_reason")), answer
     assert cleared, f"samples still marked as waiting after they completed: {sorted(watch.paused)}"
     check_against(runs, reference, stack)
 
