@@ -13,6 +13,13 @@ tokens/s = 16 N / wall time of the whole batch; the ratio is against "1 adapter"
 Part 2, a real stack through the SDK: after an optimizer step, the time from
 ``save_weights_for_sampler`` to the first successful ``sample`` of the new weights, split into
 its calls; a second sample on the same client (adapter already loaded) is the steady state.
+Nothing is loaded into the engine by the save: the first sample loads the adapter on demand.
+
+Part 3, the same stack: kill -9 of the sampler, then at once a ``sample`` of an existing
+snapshot and a ``save_weights_for_sampler``. The save completes with the engine down; the sample
+waits (``paused_capacity``) until the supervisor's new sampler is ready, then loads its adapter
+into the fresh engine and runs. The full run only kills a sampler that has been up 30 s, so each
+kill is a first crash (the supervisor's shortest backoff); ``--quick`` kills once, without waiting.
 
     .venv/bin/python bench/sampler_cpu.py [--quick]
 """
@@ -20,8 +27,10 @@ its calls; a second sample on the same client (adapter already loaded) is the st
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -157,9 +166,65 @@ def publish_rows(reps: int) -> list[dict[str, Any]]:
     ]
 
 
+def restart_rows(rounds: int, spaced: bool) -> list[dict[str, Any]]:
+    """kill -9 the sampler, sample an existing snapshot and save at once; time both."""
+    import tinker
+    from tinker import types
+
+    samples: dict[str, list[float]] = {
+        "kill -> sampler ready": [],
+        "kill -> ready: supervisor backoff (its log)": [],
+        "save_weights_for_sampler, sampler down": [],
+        "kill -> sample result (it waited)": [],
+        "ready -> sample result (probe, load, generate)": [],
+    }
+    prompt = types.ModelInput.from_ints(random_tokens(0, 8, VOCAB))
+    params = types.SamplingParams(max_tokens=8, temperature=0.0)
+    with running_stack() as stack:
+        service = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-bench-restart")
+        training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8).result()
+        datum = sft_datum(random_tokens(1, 33, VOCAB))
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        path = training.save_weights_for_sampler("bench-restart").result().path
+        sampler = training.create_sampling_client(path).result()
+        before = sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+        for i in range(rounds):
+            child = stack.supervisor.children["sampler"]
+            if spaced:
+                time.sleep(max(0.0, 31 - (time.monotonic() - child.started_at)))
+            ready_at: list[float] = []
+            start = time.perf_counter()
+            ready = stack.kill("sampler")
+            waiter = threading.Thread(
+                target=lambda ev=ready, out=ready_at: ev.wait(240) and out.append(time.perf_counter())
+            )
+            waiter.start()
+            waiting = sampler.sample(prompt, num_samples=1, sampling_params=params)
+            saved_at = time.perf_counter()
+            training.save_weights_for_sampler(f"bench-restart-{i}").result()
+            saved = time.perf_counter() - saved_at
+            after = waiting.result()
+            result_at = time.perf_counter()
+            waiter.join()
+            assert after.sequences[0].tokens == before.sequences[0].tokens, "the restart changed a sample"
+            logs = "\n".join(stack.logs["sampler"])
+            samples["kill -> sampler ready"].append(ready_at[0] - start)
+            samples["kill -> ready: supervisor backoff (its log)"].append(
+                float(re.findall(r"restarting in ([0-9.]+)s", logs)[-1])
+            )
+            samples["save_weights_for_sampler, sampler down"].append(saved)
+            samples["kill -> sample result (it waited)"].append(result_at - start)
+            samples["ready -> sample result (probe, load, generate)"].append(result_at - ready_at[0])
+    return [
+        {"what": name, "n": len(values), "p50": dist(values)["p50"], "max": dist(values)["max"]}
+        for name, values in samples.items()
+    ]
+
+
 def main() -> None:
     args = cpu_parser(__doc__ or "").parse_args()
-    new_tokens, reps, publishes = (16, 3, 3) if args.quick else (64, 15, 20)
+    new_tokens, reps, publishes, kills = (16, 3, 3, 1) if args.quick else (64, 15, 20, 3)
     header(
         "CPU sampler",
         args.quick,
@@ -169,6 +234,7 @@ def main() -> None:
         adapter_rank=RANK,
         engine_reps=reps,
         publish_reps=publishes,
+        sampler_kills=kills,
     )
     table(
         f"Decode throughput, {BATCH} sequences x {new_tokens} new tokens (ratio = 1-adapter time / this time, > 1 is faster)",
@@ -187,6 +253,11 @@ def main() -> None:
         "Publish latency through the SDK (ms; ratio = p50 / steady sample p50)",
         publish_rows(publishes),
         [("step", "step"), ("n", "n"), ("p50", "p50"), ("p99", "p99"), ("x steady sample", "ratio")],
+    )
+    table(
+        "Sampler kill -9 on a running stack (seconds; save and sample sent right after the kill)",
+        restart_rows(kills, spaced=not args.quick),
+        [("what", "what"), ("n", "n"), ("p50", "p50"), ("max", "max")],
     )
 
     footer()

@@ -64,6 +64,7 @@ class Supervisor:
         self.children = {name: Child(name, env) for name in services}
         self.exits: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
+        self.held: set[str] = set()  # services that stay down when they exit, until `release`
         self.on_line = on_line
         self.echo = echo
         self._print_lock = threading.Lock()
@@ -109,6 +110,9 @@ class Supervisor:
                 break
             child = self.children[name]
             assert child.process is not None
+            if name in self.held:
+                self.say(name, f"exited with code {child.process.returncode}; held down until released")
+                continue
             code = child.process.returncode
             stable = time.monotonic() - child.started_at > 30
             child.restarts = 0 if stable else child.restarts + 1
@@ -117,6 +121,16 @@ class Supervisor:
             if self.stopping.wait(delay):
                 break
             self.start(child)
+
+    def hold(self, name: str) -> None:
+        """Keep `name` down the next time it exits (an operator stopping one service for a while)."""
+        self.held.add(name)
+
+    def release(self, name: str) -> None:
+        """Start a held service again (through the restart path, with its backoff)."""
+        if name in self.held:
+            self.held.discard(name)
+            self.exits.put(name)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.stopping.set()

@@ -20,6 +20,7 @@ from libs.contracts.records import (
     CheckpointRecord,
     ModelQueueRecord,
     ModelRecord,
+    QueueRecord,
     SessionRecord,
     TrainerStatus,
 )
@@ -81,6 +82,7 @@ class Status(msgspec.Struct):
     commands_per_model: dict[str, int]
     planner: dict[str, ModelQueueRecord] = {}
     newest_checkpoint: dict[str, str] = {}
+    waiting: list[QueueRecord] = []  # requests that wait (no free slot; no reachable sampling engine)
 
 
 async def collect_status(nats_url: str) -> Status:
@@ -135,7 +137,8 @@ async def status_of(bus: Bus) -> Status:
         if ckpt.created_ns >= newest.get(ckpt.training_run_id, (0, ""))[0]:
             newest[ckpt.training_run_id] = (ckpt.created_ns, ckpt.tinker_path)
     checkpoints = {run: path for run, (_, path) in newest.items()}
-    return Status(sessions, models, trainers, streams, consumers, depth, planner, checkpoints)
+    waiting = sorted(await _records(bus, s.KV_QUEUE, QueueRecord), key=lambda r: r.since_ns)
+    return Status(sessions, models, trainers, streams, consumers, depth, planner, checkpoints, waiting)
 
 
 async def print_status(nats_url: str) -> None:
@@ -161,6 +164,11 @@ async def print_status(nats_url: str) -> None:
             f"  {m.model_id:<32} tenant={m.tenant:<20} rank={m.lora.rank} {where} "
             f"commands={commands} newest_checkpoint={newest}{state}"
         )
+    if st.waiting:
+        print("waiting:")
+        now = time.time_ns()
+        for r in st.waiting:
+            print(f"  {r.request_id:<40} {r.queue_state} for {(now - r.since_ns) / 1e9:.0f}s: {r.reason}")
     print("streams:")
     for name, info in st.streams.items():
         print(f"  {name:<18} messages={info['messages']:<8} bytes={info['bytes']}")

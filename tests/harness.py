@@ -105,6 +105,22 @@ class Stack:
         os.killpg(child.process.pid, signal.SIGKILL)
         return self._ready[service]
 
+    def stop_service(self, service: str) -> None:
+        """kill -9 one service and keep it down (the supervisor does not restart it) until `start_service`."""
+        assert self.supervisor is not None
+        child = self.supervisor.children[service]
+        assert child.process is not None
+        self.supervisor.hold(service)
+        self._ready[service] = threading.Event()
+        os.killpg(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+
+    def start_service(self, service: str) -> threading.Event:
+        """Let a service stopped by `stop_service` start again; the event is set once it is ready."""
+        assert self.supervisor is not None
+        self.supervisor.release(service)
+        return self._ready[service]
+
     def restart_nats(self) -> None:
         """Stop nats-server (SIGTERM) and start it again on the same port and store."""
         assert self.nats is not None

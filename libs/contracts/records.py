@@ -46,7 +46,8 @@ class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class QueueRecord(msgspec.Struct, kw_only=True, frozen=True):
-    """A request that is accepted but cannot start yet (e.g. create_model with no free slot)."""
+    """A request that is accepted but cannot start yet (create_model with no free slot, a sample
+    whose sampling engine is unreachable)."""
 
     request_id: str
     queue_state: str  # the SDK's QueueState: "paused_capacity" | "paused_rate_limit"

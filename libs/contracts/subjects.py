@@ -65,7 +65,8 @@ KV_TRAINERS = "tinker_trainers"
 """Live trainers and their readiness, with a TTL: the gateway's healthz reads it."""
 
 KV_QUEUE = "tinker_queue"
-"""request id -> why it waits (`QueueRecord`), written by the planner; try_again reports it."""
+"""request id -> why it waits (`QueueRecord`): the planner's waiting creates, the gateway's samples
+waiting for an engine; try_again reports it."""
 
 KV_PLANNER = "tinker_planner"
 """Per-model planner summary (slot, queue depth, missing seq_id) for operators."""

@@ -22,6 +22,13 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Lets operator routes (status, metrics) be called from a non-loopback client."""
     sampler_url: str = "http://127.0.0.1:30000"
     """An SGLang-compatible engine (services/sampler on CPU, real SGLang on GPU)."""
+    sampler_urls: str = ""
+    """Comma-separated engines to sample through (default: `sampler_url` alone); each adapter
+    prefers one engine (rendezvous hashing) and moves to the next one while that is down."""
+    max_loaded_adapters: int = 16
+    """Adapters kept on each engine; past that the least recently used idle one is unloaded."""
+    sample_deadline_s: float = 1800.0
+    """How long an accepted sample may wait for an unreachable engine before it fails."""
     public_url: str | None = None
     """How clients reach this gateway (for signed download URLs); defaults to http://host:port."""
     signing_secret: str | None = None
@@ -41,6 +48,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     retrieve_wait_s: float = 30.0
     """How long retrieve_future holds a pending request before answering try_again."""
     session_ttl_s: float = 3600.0
+
+    def engines(self) -> list[str]:
+        urls = [u.strip().rstrip("/") for u in self.sampler_urls.split(",") if u.strip()]
+        return urls or [self.sampler_url.rstrip("/")]
 
 
 def load_config(env: Mapping[str, str], **overrides: object) -> GatewayConfig:

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from litestar import Litestar, Request
 
 from infra.bus import Bus
@@ -21,6 +22,7 @@ from libs.models.registry import ResolvedModel, resolve_base_model
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
+from services.gateway.engines import EnginePool
 from services.gateway.futures import FutureBoard
 from services.gateway.metrics import Metrics
 from services.gateway.store import Store
@@ -37,6 +39,7 @@ class Gateway:
     keys: KeyRing
     model: ResolvedModel
     admission: Admission
+    engines: EnginePool
     metrics: Metrics = field(default_factory=Metrics)
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
@@ -65,12 +68,16 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
         data_dir = Path(config.data_dir).expanduser().resolve()
         model = resolve_base_model(config.base_model, data_dir)
         bus = await Bus.connect(config.nats_url, "gateway")
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
+        )
+        engines = EnginePool(client, config.engines(), config.max_loaded_adapters, data_dir)
         try:
             await ensure_streams(bus.js)
             board = FutureBoard(bus)
             await board.start()
             keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
-            gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config))
+            gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
@@ -86,6 +93,8 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
                 await runner.close()
             if hasattr(app.state, "gateway"):
                 await app.state.gateway.board.stop()
+            await engines.close()
+            await client.aclose()
             await bus.close()
 
     return run

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from libs.contracts.results import Failure, RequestResult
+from services.gateway.engines import EnginePool
 
 
 class Metrics:
@@ -42,6 +43,7 @@ def render(
     sampling_in_use: int,
     sampling_capacity: int,
     queued: dict[str, int],
+    engines: EnginePool | None = None,
 ) -> str:
     lines = [
         *family(
@@ -87,4 +89,32 @@ def render(
             (({"model_id": m}, v) for m, v in sorted(queued.items()) if v),
         ),
     ]
+    if engines is not None:
+        per_engine = sorted(engines.residency.items())
+        lines += [
+            *family(
+                "tinkerd_gateway_samples_waiting_for_engine",
+                "gauge",
+                "Samples of this replica waiting for an unreachable sampling engine.",
+                [({}, engines.waiting)],
+            ),
+            *family(
+                "tinkerd_gateway_engine_adapters_loaded",
+                "gauge",
+                "Adapters this replica keeps loaded on each engine.",
+                (({"engine": url}, len(r.resident)) for url, r in per_engine),
+            ),
+            *family(
+                "tinkerd_gateway_engine_adapter_loads_total",
+                "counter",
+                "Adapter loads this replica sent to each engine (each one on demand, for a sample).",
+                (({"engine": url}, r.loads) for url, r in per_engine),
+            ),
+            *family(
+                "tinkerd_gateway_engine_adapter_unloads_total",
+                "counter",
+                "Least recently used adapters this replica unloaded from each engine.",
+                (({"engine": url}, r.unloads) for url, r in per_engine),
+            ),
+        ]
     return "\n".join(lines) + "\n"

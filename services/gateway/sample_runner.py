@@ -4,6 +4,12 @@ A job is acked only after its result is on the results stream. A replica killed 
 never acks, so after the ack wait the job is redelivered to a live replica (or the restarted one)
 and runs again under the same request id; the result is appended with that id as `Nats-Msg-Id`,
 so the future still resolves exactly once.
+
+A job whose engine cannot be reached (down, restarting, 502/503/504) waits for it instead of
+failing: its future answers `try_again` with `queue_state: paused_capacity` and a reason (a
+`QueueRecord` in `tinker_queue`), the job is kept alive with in-progress acks, and it runs as soon
+as an engine answers `/health` again. It fails only past `sample_deadline_s` after it was accepted.
+The adapter it samples with is loaded into the engine on demand (see `engines.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -22,23 +27,23 @@ from infra.faults import crash_point
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.records import SamplerRecord
+from libs.contracts.records import QueueRecord, SamplerRecord
 from libs.contracts.results import Failure, RequestResult, ResultBody
 from libs.contracts.sampling import SampleJob
 from services.gateway import sglang
 from services.gateway.context import Gateway
+from services.gateway.engines import Adapter
 
 log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0
 PROGRESS_EVERY_S = 5.0
+PAUSED_CAPACITY = "paused_capacity"
 
 
 class SampleRunner:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
-        )
+        self.engines = gateway.engines
         self.slots = asyncio.Semaphore(gateway.config.sampling_capacity)
         self.tasks: set[asyncio.Task[None]] = set()
         self.stop = asyncio.Event()
@@ -69,7 +74,6 @@ class SampleRunner:
                 await self.loop_task
         for task in list(self.tasks):
             task.cancel()  # unacked: another replica runs these jobs
-        await self.client.aclose()
 
     async def _loop(self, sub) -> None:  # type: ignore[no-untyped-def]
         while not self.stop.is_set():
@@ -107,17 +111,34 @@ class SampleRunner:
                 s.result_subject(job.request_id), codec.pack(result), msg_id=job.request_id
             )
             await msg.ack()
+            if msg.metadata.num_delivered > 1:  # a replica that died waiting may have left a record
+                await self._resumed(job)
         finally:
             progress.cancel()
             self.slots.release()
 
     async def run(self, job: SampleJob) -> ResultBody:
+        paused = False
         try:
             request = codec.from_json(job.engine_request, dict)
             adapter = await self._adapter(job.sampler_id)
-            if adapter:
-                request["lora_path"] = adapter
-            outputs = await sglang.generate(self.client, self.gateway.config.sampler_url, request)
+            deadline_ns = job.at_ns + int(self.gateway.config.sample_deadline_s * 1e9)
+            while True:
+                try:
+                    outputs = await self.engines.generate(request, adapter)
+                    break
+                except sglang.EngineUnavailable as exc:
+                    left_s = (deadline_ns - now_ns()) / 1e9
+                    if left_s <= 0:
+                        return Failure(
+                            error=f"no sampling engine could be reached within the sample's deadline "
+                            f"({self.gateway.config.sample_deadline_s:.0f}s after it was accepted): {exc}",
+                            category="server",
+                        )
+                    if not paused:
+                        paused = True
+                        await self._pause(job, exc)
+                    await self.engines.wait_available(left_s)
             return sglang.to_sample_result(
                 outputs,
                 job.prompt_len,
@@ -132,9 +153,29 @@ class SampleRunner:
         except Exception as exc:
             log.exception("sample %s failed", job.request_id)
             return Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")
+        finally:
+            if paused:
+                await self._resumed(job)
 
-    async def _adapter(self, sampler_id: str) -> str | None:
-        """The engine adapter to sample with (None: the base model), waiting for a pending save."""
+    async def _pause(self, job: SampleJob, exc: sglang.EngineUnavailable) -> None:
+        """Tell the SDK (through try_again) why this sample waits."""
+        reason = (
+            f"the sampling engine is unavailable ({exc.reason}); the sample waits for it and runs "
+            f"when it is back (at most {self.gateway.config.sample_deadline_s:.0f}s after it was accepted)"
+        )
+        log.warning("sample %s waits: engine %s unavailable (%s)", job.request_id, exc.url, exc.reason)
+        record = QueueRecord(
+            request_id=job.request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
+        )
+        with contextlib.suppress(Exception):  # the wait itself does not depend on the record
+            await self.gateway.store.put(s.KV_QUEUE, s.token(job.request_id), record)
+
+    async def _resumed(self, job: SampleJob) -> None:
+        with contextlib.suppress(Exception):
+            await self.gateway.store.delete(s.KV_QUEUE, s.token(job.request_id))
+
+    async def _adapter(self, sampler_id: str) -> Adapter | None:
+        """The adapter to sample with (None: the base model), waiting for a pending save."""
         store = self.gateway.store
         sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord)
         if sampler is None:
@@ -144,12 +185,9 @@ class SampleRunner:
             if result is None or isinstance(result.body, Failure):
                 raise RuntimeError("the snapshot this sampler was created for failed to save")
             sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord) or sampler
-        if sampler.adapter_name and sampler.adapter_dir:
-            # Idempotent: an engine that restarted (or evicted it) gets it back before sampling.
-            await sglang.load_adapter(
-                self.client, self.gateway.config.sampler_url, sampler.adapter_name, sampler.adapter_dir
-            )
-        return sampler.adapter_name
+        if not sampler.adapter_name:
+            return None
+        return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir)
 
 
 async def _report_progress(msg: Msg) -> None:

@@ -1,7 +1,12 @@
-"""A client for the SGLang HTTP subset Tinkerd samples through (`/generate`, `/load_lora_adapter`).
+"""A client for the SGLang HTTP subset Tinkerd samples through.
 
-The CPU engine in services/sampler speaks the same API, so this code runs unchanged against real
-SGLang on a GPU stack. Only the fields Tinkerd reads are declared; the rest are ignored.
+Routes: `/generate`, `/load_lora_adapter`, `/unload_lora_adapter` and `/health`. The CPU engine in
+services/sampler speaks the same API, so this code runs unchanged against real SGLang on a GPU
+stack. Only the fields Tinkerd reads are declared; the rest are ignored.
+
+Two kinds of failure are told apart: `EngineUnavailable` (the engine cannot be reached, or answers
+502/503/504: it is down, restarting or overloaded; the caller waits and tries again) and
+`EngineError` (the engine answered and refused the request).
 """
 
 from __future__ import annotations
@@ -37,28 +42,128 @@ class Output(msgspec.Struct):
 
 
 class EngineError(Exception):
+    """The engine answered and refused (status and the start of its body)."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
 
 
+class EngineUnavailable(Exception):
+    """The engine at `url` could not serve the call at all: refused, reset, or 502/503/504."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class LoRAUpdate(msgspec.Struct):
+    """SGLang's answer to `/load_lora_adapter` and `/unload_lora_adapter` (`LoRAUpdateOutput`)."""
+
+    success: bool = False
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None
+
+
+UNAVAILABLE_STATUS = frozenset({502, 503, 504})
+HEALTH_TIMEOUT_S = 5.0
 _outputs = msgspec.json.Decoder(list[Output] | Output)
+_lora_update = msgspec.json.Decoder(LoRAUpdate)
+
+
+async def _post(client: httpx.AsyncClient, url: str, route: str, body: dict[str, Any]) -> httpx.Response:
+    try:
+        response = await client.post(
+            f"{url}{route}", content=msgspec.json.encode(body), headers={"content-type": "application/json"}
+        )
+    except httpx.TransportError as exc:  # refused, reset mid-answer, timed out connecting
+        raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from exc
+    if response.status_code in UNAVAILABLE_STATUS:
+        raise EngineUnavailable(url, f"HTTP {response.status_code} from {route}: {response.text[:200]}")
+    return response
 
 
 async def generate(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Output]:
-    response = await client.post(
-        f"{url}/generate", content=msgspec.json.encode(body), headers={"content-type": "application/json"}
-    )
+    response = await _post(client, url, "/generate", body)
     if response.status_code != 200:
         raise EngineError(response.status_code, response.text[:500])
     decoded = _outputs.decode(response.content)
     return decoded if isinstance(decoded, list) else [decoded]
 
 
-async def load_adapter(client: httpx.AsyncClient, url: str, name: str, path: str) -> None:
-    response = await client.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path})
-    if response.status_code != 200 and "already" not in response.text.lower():
-        raise EngineError(response.status_code, response.text[:500])
+def adapter_missing(exc: EngineError) -> bool:
+    """A `/generate` named an adapter the engine does not hold (it restarted, or evicted it).
+
+    SGLang answers 400 `{"error": {"message": "The following requested LoRA adapters are not
+    loaded: <name> ..."}}`; the CPU sampler uses the same words.
+    """
+    return exc.status == 400 and "not loaded" in str(exc).lower()
+
+
+def _update(response: httpx.Response) -> LoRAUpdate:
+    try:
+        return _lora_update.decode(response.content) if response.content else LoRAUpdate()
+    except msgspec.DecodeError:
+        return LoRAUpdate(error_message=response.text[:500])
+
+
+def _adapter_path(ref: Any) -> str | None:
+    """The directory of one `loaded_adapters` entry: a path (the CPU sampler, some SGLang versions)
+    or SGLang's `LoRARef` (an object with `lora_path`, or its array form `[id, name, path, ...]`)."""
+    if isinstance(ref, str):
+        return ref
+    if isinstance(ref, dict) and isinstance(ref.get("lora_path"), str):
+        return str(ref["lora_path"])
+    if isinstance(ref, list) and len(ref) >= 3 and isinstance(ref[2], str):
+        return ref[2]
+    return None
+
+
+def reported_adapters(update: LoRAUpdate) -> dict[str, str] | None:
+    """{name: directory} of every adapter the engine says it holds; None when it says nothing usable."""
+    if update.loaded_adapters is None:
+        return None
+    out = {name: _adapter_path(ref) for name, ref in update.loaded_adapters.items()}
+    if any(path is None for path in out.values()):
+        return None  # a shape we do not know: better no reconciliation than a wrong one
+    return {name: path for name, path in out.items() if path is not None}
+
+
+async def load_adapter(client: httpx.AsyncClient, url: str, name: str, path: str) -> dict[str, str] | None:
+    """Load `path` under `name` ("already loaded" counts as success).
+
+    Returns the engine's adapters after the call ({name: directory}) when it reports them.
+    """
+    response = await _post(client, url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+    update = _update(response)
+    if response.status_code == 200 and update.success:
+        return reported_adapters(update)
+    message = update.error_message or response.text[:500]
+    if "already" in message.lower():  # SGLang: "... already exists"; the CPU sampler: "already loaded"
+        return reported_adapters(update)
+    raise EngineError(response.status_code, message)
+
+
+async def unload_adapter(client: httpx.AsyncClient, url: str, name: str) -> None:
+    """Unload `name`; an adapter the engine does not hold counts as unloaded."""
+    response = await _post(client, url, "/unload_lora_adapter", {"lora_name": name})
+    update = _update(response)
+    if response.status_code == 200 and update.success:
+        return
+    message = update.error_message or response.text[:500]
+    if "not loaded" in message.lower() or "does not exist" in message.lower():
+        return
+    raise EngineError(response.status_code, message)
+
+
+async def healthy(client: httpx.AsyncClient, url: str) -> bool:
+    """`GET /health` answers 200 (SGLang: 503 while it starts; nothing at all while it is down)."""
+    try:
+        response = await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
 
 
 def _topk(rows: list[list[Entry] | None], k: int) -> TopK:

@@ -111,7 +111,8 @@ class PlannerService:
             outcomes=max(self._positions.outcomes, last[s.STREAM_OUTCOMES]),
         )
         self._replayed = self.planner.collect()  # published (again, at most once) before going live
-        self._paused = {s.untoken(key) for key in await self._queue_keys()}  # re-checked on _advance
+        # Re-checked on _advance. Samples waiting for an engine are the gateway's records, not ours.
+        self._paused = {s.untoken(key) for key in await self._queue_keys() if "=sample=" not in key}
         log.info(
             "replayed %d requests, %d units, %d outcomes after snapshot %s",
             *counts,

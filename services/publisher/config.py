@@ -12,15 +12,8 @@ from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, from_env
 class PublisherConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = DEFAULT_NATS_URL
     data_dir: str = DEFAULT_DATA_DIR
-    sampler_urls: str = ""
-    """Comma-separated SGLang-compatible engines to load snapshots into (default: TINKERD_SAMPLER_URL)."""
-    sampler_url: str = "http://127.0.0.1:30000"
     reap_interval_s: float = 60.0
     """How often expired checkpoints (ttl_seconds) are deleted."""
-
-    def engines(self) -> list[str]:
-        urls = [u.strip() for u in self.sampler_urls.split(",") if u.strip()]
-        return urls or [self.sampler_url]
 
 
 def load_config(env: Mapping[str, str], **overrides: object) -> PublisherConfig:

@@ -1,10 +1,14 @@
-"""The publisher: materializes snapshots, registers them, loads them into sampling engines.
+"""The publisher: materializes snapshots and registers them.
 
 For each PublishSnapshot (from a trainer): copy the staging directory into an immutable version
 directory (atomic: temp, fsync, rename), switch the public name to it (atomic symlink swap),
-load sampler snapshots into every engine, record the checkpoint in the catalogue, answer the
-request's future and emit SnapshotPublished. Every step is idempotent, and the message is acked
-last, so a publisher killed at any point redoes the work on restart with the same result.
+record the checkpoint in the catalogue (or the ephemeral sampler's adapter), answer the request's
+future and emit SnapshotPublished. Every step is idempotent, and the message is acked last, so a
+publisher killed at any point redoes the work on restart with the same result.
+
+A save completes once its directory is durable. The publisher makes no call to a sampling engine:
+engines get adapters on demand from the gateway's sample path (services/gateway/engines.py), so
+no state of an engine (down, restarting, replaced) can fail or delay a save.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -32,7 +35,7 @@ from libs.contracts.records import CheckpointRecord, SamplerRecord
 from libs.contracts.results import Failure, JsonResult, RequestResult, ResultBody
 from libs.contracts.snapshots import PublishSnapshot
 from services.publisher.config import PublisherConfig
-from services.publisher.engines import adapter_name, load_adapter
+from services.publisher.naming import adapter_name
 
 log = logging.getLogger("tinkerd.publisher")
 
@@ -64,10 +67,9 @@ def dir_size(path: Path) -> int:
 
 
 class PublisherService:
-    def __init__(self, bus: Bus, config: PublisherConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, bus: Bus, config: PublisherConfig) -> None:
         self.bus = bus
         self.config = config
-        self.client = client
         self.data_dir = Path(config.data_dir).expanduser().resolve()
 
     async def ensure_consumer(self) -> None:
@@ -85,7 +87,7 @@ class PublisherService:
         layout.clean_temporaries(self.data_dir / "checkpoints")
         layout.clean_temporaries(self.data_dir / "samplers")
         sub = await self.bus.pull(s.PUBLISH_ALL, s.DURABLE_PUBLISHER, s.STREAM_PUBLISH)
-        log.info("publisher ready (engines: %s)", ", ".join(self.config.engines()))
+        log.info("publisher ready (data dir %s)", self.data_dir)
         reaper = asyncio.create_task(self._reap(stop))
         try:
             await fetch_loop(sub, self._on_messages, stop, batch=8, wait_s=1.0)
@@ -124,8 +126,6 @@ class PublisherService:
                 layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
             )
             engine_name = adapter_name(run, name, p.version)
-            if kind == "sampler":
-                await self._load_everywhere(engine_name, version_dir)
             record = CheckpointRecord(
                 tinker_path=p.tinker_path,
                 training_run_id=run,
@@ -153,7 +153,6 @@ class PublisherService:
                 layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
             )
             engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
-            await self._load_everywhere(engine_name, version_dir)
             kv = await self.bus.kv(s.KV_SAMPLERS)
             key = s.token(p.sampling_session_id)
             entry = await kv.get(key)
@@ -166,10 +165,6 @@ class PublisherService:
             )
         shutil.rmtree(staging, ignore_errors=True)
         return body
-
-    async def _load_everywhere(self, name: str, directory: Path) -> None:
-        for url in self.config.engines():
-            await load_adapter(self.client, url, name, str(directory))
 
     async def _event(self, p: PublishSnapshot, engine_name: str, directory: Path) -> None:
         await self.bus.emit(
@@ -268,11 +263,10 @@ async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
     from infra.streams import ensure_streams
 
     bus = await Bus.connect(config.nats_url, "publisher")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        try:
-            await ensure_streams(bus.js)
-            service = PublisherService(bus, config, client)
-            await service.ensure_consumer()
-            await service.run(stop)
-        finally:
-            await bus.close()
+    try:
+        await ensure_streams(bus.js)
+        service = PublisherService(bus, config)
+        await service.ensure_consumer()
+        await service.run(stop)
+    finally:
+        await bus.close()

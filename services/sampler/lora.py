@@ -284,7 +284,11 @@ class AdapterRegistry:
         with self._lock:
             entry = self._entries.get(name)
             if entry is None:
-                raise AdapterError(f"the LoRA adapter {name!r} is not loaded (use /load_lora_adapter first)")
+                # SGLang's words, which clients match to load the adapter and try again.
+                raise AdapterError(
+                    f"The following requested LoRA adapters are not loaded: {name} "
+                    "(use /load_lora_adapter first)"
+                )
             adapter = self._resident.get(name)
             if adapter is not None:
                 self._resident.move_to_end(name)

@@ -37,6 +37,7 @@ async def operator_status(request: Request[Any, Any, Any], gateway: Gateway) -> 
     status = msgspec.to_builtins(await status_of(gateway.bus))
     status["gateway"] = {"sampling_permits_in_use": gateway.admission.sampling_in_use}
     status["gateway"]["futures_waiting"] = gateway.board.waiting
+    status["gateway"]["samples_waiting_for_engine"] = gateway.engines.waiting
     return status  # type: ignore[no-any-return]
 
 
@@ -49,6 +50,7 @@ async def prometheus_metrics(request: Request[Any, Any, Any], gateway: Gateway) 
         sampling_in_use=gateway.admission.sampling_in_use,
         sampling_capacity=gateway.config.sampling_capacity,
         queued=gateway.admission.queued(),
+        engines=gateway.engines,
     )
     return Response(text, media_type=PROMETHEUS)
 

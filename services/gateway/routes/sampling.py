@@ -2,8 +2,9 @@
 
 Sampling never enters the training path. An accepted asample is claimed by
 (sampling_session_id, seq_id) — retries get the same future — and appended to the sample work queue;
-a gateway replica's `SampleRunner` sends `/generate` to an SGLang-compatible engine and appends the
-result to the results stream, where any replica's `retrieve_future` finds it.
+a gateway replica's `SampleRunner` sends `/generate` to an SGLang-compatible engine (loading the
+sampler's adapter into it on demand) and appends the result to the results stream, where any
+replica's `retrieve_future` finds it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,255 @@
+"""The sampling engines as the gateway sees them: which one serves a sample, and what it holds.
+
+Adapters reach the engines on demand. A sampler snapshot is a directory on disk; nothing is
+pushed to an engine when it is saved. The sample path makes sure the engine that serves the
+sample holds the snapshot's adapter (`/load_lora_adapter` when it is missing), so an engine that
+restarted, or a new one, serves every existing snapshot without anyone re-publishing it:
+
+- `Residency` tracks the adapters one engine holds on this replica's behalf, least recently used
+  first. It loads a missing adapter once however many samples ask for it at the same time, and
+  keeps at most `capacity` adapters on the engine: past that it unloads the least recently used
+  one that no sample of this replica is using (`/unload_lora_adapter`). Adapters the engine
+  reports that lie under the data root but that this replica did not load (left by a replica that
+  restarted, or loaded by another one) count against the same limit and go first.
+- `EnginePool` picks the engine for an adapter by rendezvous hashing (the same engine for the
+  same adapter while it is up, another one when it is not), answers "the engine does not hold this
+  adapter" by loading it and trying again, and, when no engine can be reached, lets callers wait
+  for one to come back (a single `/health` probe loop shared by every waiter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.gateway import sglang
+
+log = logging.getLogger("tinkerd.gateway.engines")
+MISSING_RETRIES = 3
+"""How often one sample loads its adapter again after the engine said it does not hold it."""
+PROBE_FIRST_S = 0.25
+PROBE_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A snapshot as the engines know it: its engine-side name and its directory."""
+
+    name: str
+    directory: str | None  # None: only the name is known (the engine must already hold it)
+
+
+def rendezvous(urls: list[str], key: str) -> list[str]:
+    """`urls` in the order `key` prefers them (highest random weight first); stable per key."""
+
+    def weight(url: str) -> bytes:
+        return hashlib.sha256(f"{url}\0{key}".encode()).digest()
+
+    return sorted(urls, key=weight, reverse=True)
+
+
+class Residency:
+    """The adapters one engine holds for this replica, LRU-bounded (see the module docstring)."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, capacity: int, data_root: Path) -> None:
+        self.client = client
+        self.url = url
+        self.capacity = capacity
+        self.data_root = data_root
+        self.resident: OrderedDict[str, str] = OrderedDict()  # name -> directory, least recent first
+        self.foreign: dict[str, str] = {}  # ours by directory, on the engine, not loaded by this replica
+        self.users: Counter[str] = Counter()  # samples of this replica using each adapter now
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        self._trimming: asyncio.Task[None] | None = None
+        self.loads = 0
+        self.unloads = 0
+
+    @contextlib.asynccontextmanager
+    async def use(self, adapter: Adapter) -> AsyncIterator[None]:
+        """Hold `adapter` on the engine for the duration of one `/generate`."""
+        self.users[adapter.name] += 1
+        try:
+            if adapter.directory is not None:
+                await self._ensure(adapter.name, adapter.directory)
+            yield
+        finally:
+            self.users[adapter.name] -= 1
+            if self.users[adapter.name] <= 0:
+                del self.users[adapter.name]
+            self._schedule_trim()
+
+    def forget(self, name: str) -> None:
+        """The engine said it does not hold `name` (it restarted or evicted it)."""
+        self.resident.pop(name, None)
+
+    async def _ensure(self, name: str, directory: str) -> None:
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return
+        pending = self._loading.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load(name, directory))
+            self._loading[name] = pending
+        await asyncio.shield(pending)  # a cancelled sample does not cancel a load others wait for
+
+    async def _load(self, name: str, directory: str) -> None:
+        try:
+            reported = await sglang.load_adapter(self.client, self.url, name, directory)
+            self.loads += 1
+            self.resident[name] = directory
+            self.resident.move_to_end(name)
+            if reported is not None and name in reported:  # a report without it cannot be trusted
+                self._reconcile(reported)
+            log.info("loaded adapter %s into %s (%d held)", name, self.url, len(self.resident))
+        finally:
+            del self._loading[name]
+
+    def _reconcile(self, reported: dict[str, str]) -> None:
+        """Align with what the engine says it holds after a load."""
+        for name in [n for n in self.resident if n not in reported]:
+            del self.resident[name]  # gone from the engine (restart, or SGLang's own eviction)
+        self.foreign = {
+            name: path for name, path in reported.items() if name not in self.resident and self._ours(path)
+        }
+
+    def _ours(self, path: str) -> bool:
+        try:
+            return Path(path).resolve().is_relative_to(self.data_root)
+        except (OSError, ValueError):
+            return False
+
+    async def settled(self) -> None:
+        """Return once no unload is in progress (tests; shutdown)."""
+        while self._trimming is not None and not self._trimming.done():
+            await asyncio.shield(self._trimming)
+
+    def _schedule_trim(self) -> None:
+        if len(self.resident) + len(self.foreign) <= self.capacity:
+            return
+        if self._trimming is None or self._trimming.done():
+            self._trimming = asyncio.create_task(self._trim())
+
+    def _victim(self) -> str | None:
+        if self.foreign:
+            return next(iter(self.foreign))
+        return next((n for n in self.resident if not self.users[n] and n not in self._loading), None)
+
+    async def _trim(self) -> None:
+        """Unload until at most `capacity` are held; adapters in use here are never chosen."""
+        while len(self.resident) + len(self.foreign) > self.capacity:
+            victim = self._victim()
+            if victim is None:
+                return  # every adapter is in use: the next release trims again
+            self.resident.pop(victim, None)
+            self.foreign.pop(victim, None)
+            try:
+                await sglang.unload_adapter(self.client, self.url, victim)
+            except (sglang.EngineError, sglang.EngineUnavailable) as exc:
+                log.warning("could not unload adapter %s from %s: %s", victim, self.url, exc)
+                return
+            self.unloads += 1
+            log.info("unloaded adapter %s from %s (least recently used)", victim, self.url)
+
+
+class EnginePool:
+    """Every engine this gateway samples through (see the module docstring)."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: list[str], capacity: int, data_root: Path) -> None:
+        if not urls:
+            raise ValueError("at least one sampling engine URL is needed")
+        if capacity < 1:
+            raise ValueError(f"max_loaded_adapters must be >= 1, got {capacity}")
+        self.client = client
+        self.urls = urls
+        self.residency = {url: Residency(client, url, capacity, data_root) for url in urls}
+        self.waiting = 0  # samples waiting for an engine to come back, for metrics
+        self._back = asyncio.Event()
+        self._probe: asyncio.Task[None] | None = None
+        self._delay = PROBE_FIRST_S  # grows while engines stay unusable; reset by a served sample
+
+    def order(self, adapter: Adapter | None) -> list[str]:
+        return rendezvous(self.urls, adapter.name if adapter else "")
+
+    async def generate(self, body: dict[str, Any], adapter: Adapter | None) -> list[sglang.Output]:
+        """`/generate` on the first engine (in the adapter's order) that can be reached.
+
+        Raises:
+            sglang.EngineUnavailable: no engine could be reached (the last one's reason).
+            sglang.EngineError: an engine refused the request.
+        """
+        unavailable: sglang.EngineUnavailable | None = None
+        for url in self.order(adapter):
+            try:
+                outputs = await self._generate_on(url, body, adapter)
+            except sglang.EngineUnavailable as exc:
+                unavailable = exc
+                continue
+            self._delay = PROBE_FIRST_S
+            return outputs
+        assert unavailable is not None
+        raise unavailable
+
+    async def _generate_on(
+        self, url: str, body: dict[str, Any], adapter: Adapter | None
+    ) -> list[sglang.Output]:
+        if adapter is None:
+            return await sglang.generate(self.client, url, body)
+        residency = self.residency[url]
+        request = {**body, "lora_path": adapter.name}
+        for attempt in range(MISSING_RETRIES + 1):
+            async with residency.use(adapter):
+                try:
+                    return await sglang.generate(self.client, url, request)
+                except sglang.EngineError as exc:
+                    if not sglang.adapter_missing(exc) or adapter.directory is None or attempt == MISSING_RETRIES:
+                        raise
+                    residency.forget(adapter.name)
+                    log.info("%s does not hold adapter %s: loading it again", url, adapter.name)
+        raise AssertionError("unreachable")
+
+    async def wait_available(self, timeout_s: float) -> bool:
+        """Wait until some engine answers `/health` with 200; False after `timeout_s`."""
+        if self._probe is None or self._probe.done():
+            self._back = asyncio.Event()
+            self._probe = asyncio.create_task(self._probe_until_back(self._back))
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._back.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+
+    async def _probe_until_back(self, back: asyncio.Event) -> None:
+        """Probe every engine's `/health`, with backoff, until one answers 200.
+
+        The backoff is not reset when an engine answers: one that is healthy but still cannot
+        serve (502/503 from `/generate`) is retried ever more slowly, not in a tight loop.
+        """
+        while True:
+            await asyncio.sleep(self._delay)  # backoff between probes of engines that are down
+            self._delay = min(PROBE_MAX_S, self._delay * 1.5)
+            for url in self.urls:
+                if await sglang.healthy(self.client, url):
+                    log.info("sampling engine %s answers /health again", url)
+                    back.set()
+                    return
+
+    async def close(self) -> None:
+        tasks = [self._probe] if self._probe is not None else []
+        tasks += [r._trimming for r in self.residency.values() if r._trimming is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,8 @@
+"""How sampling engines name adapter snapshots (the publisher records the name; it never calls an engine)."""
+
+from __future__ import annotations
+
+
+def adapter_name(run_or_sampler: str, name: str, version: str) -> str:
+    """The engine-side adapter name: unique per immutable version, so it never changes weights."""
+    return f"{run_or_sampler.replace(':', '=')}.{name}.{version}"
