@@ -31,6 +31,7 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted, RequestFailed, SnapshotPublished
+from libs.contracts.ids import TinkerPath
 from libs.contracts.records import CheckpointRecord, SamplerRecord
 from libs.contracts.results import Failure, JsonResult, RequestResult, ResultBody
 from libs.contracts.snapshots import PublishSnapshot
@@ -40,26 +41,11 @@ from services.publisher.naming import adapter_name
 log = logging.getLogger("tinkerd.publisher")
 
 
-def parse_path(tinker_path: str) -> tuple[str, str]:
-    run, _segment, name = tinker_path.removeprefix("tinker://").split("/")
-    return run, name
-
-
 RESULT_TYPE = {
     "training": "save_weights",
     "sampler": "save_weights_for_sampler",
     "external": "save_weights_external",
 }
-
-
-def path_kind(p: PublishSnapshot) -> str:
-    """The catalogue kind: save_weights_external arrives as a sampler export to `external_weights/`."""
-    segment = (p.tinker_path or "").removeprefix("tinker://").split("/")[1:2]
-    return "external" if segment == ["external_weights"] else p.kind
-
-
-def checkpoint_key(run: str, kind: str, name: str) -> str:
-    return f"{s.token(run)}.{kind}.{name}"
 
 
 def dir_size(path: Path) -> int:
@@ -115,8 +101,10 @@ class PublisherService:
     async def publish(self, p: PublishSnapshot) -> ResultBody:
         staging = Path(p.staging_dir)
         if p.tinker_path is not None:
-            run, name = parse_path(p.tinker_path)
-            kind = path_kind(p)
+            # the path's segment names the catalogue kind (save_weights_external arrives as a
+            # sampler export to external_weights/)
+            path = TinkerPath.parse(p.tinker_path)
+            run, kind, name = path.run, path.kind, path.name
             version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
             await asyncio.to_thread(
                 layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
@@ -142,7 +130,7 @@ class PublisherService:
                 adapter_name=engine_name if kind == "sampler" else None,
             )
             kv = await self.bus.kv(s.KV_CHECKPOINTS)
-            await kv.put(checkpoint_key(run, kind, name), codec.to_json(record))
+            await kv.put(path.key, codec.to_json(record))
             await self._event(p, engine_name, version_dir)
             size = {"size_bytes": record.size_bytes} if kind == "external" else {}
             body = JsonResult(body={"path": p.tinker_path, "type": RESULT_TYPE[kind], **size})
