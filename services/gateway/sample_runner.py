@@ -91,6 +91,9 @@ class SampleRunner:
         progress = asyncio.create_task(_report_progress(msg))
         try:
             job = codec.sample_job_decoder.decode(msg.data)
+            if await self.gateway.board.lookup(job.request_id) is not None:
+                await msg.ack()  # a redelivered or re-enqueued job that already has its result
+                return
             crash_point("gateway.sample_started")  # fault tests: die holding an unacked job
             body = await self.run(job)
             result = RequestResult(
@@ -103,9 +106,9 @@ class SampleRunner:
                 at_ns=now_ns(),
                 traceparent=job.traceparent,
             )
-            await self.gateway.bus.publish(
+            await self.gateway.bus.publish_once(
                 s.result_subject(job.request_id), codec.pack(result), msg_id=job.request_id
-            )
+            )  # a job that ran twice (redelivered) still has one result: the first
             await msg.ack()
         finally:
             progress.cancel()

@@ -26,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
 from libs.contracts import codec
@@ -57,6 +58,7 @@ from services.trainer.state_io import peft_files, read_training_state, training_
 log = logging.getLogger("tinkerd.trainer")
 
 HANDOFF = "handoff"  # OpOutcome.info key: the publisher answers this request
+WEDGED_EXIT_CODE = 70  # a unit outlived unit_timeout_s
 
 
 def default_seed(model_id: str) -> int:
@@ -112,10 +114,12 @@ class TrainerService:
             self.bus, s.STREAM_OUTCOMES, s.outcome_subject(self.config.group), outcomes_last, on_outcome
         )
         units: list[tuple[int, Unit]] = []
+        seen: set[str] = set()
 
         def on_unit(msg: Msg) -> None:
             unit = codec.unit_decoder.decode(msg.data)
-            if unit.unit_id in self.completed:
+            if unit.unit_id in self.completed and unit.unit_id not in seen:
+                seen.add(unit.unit_id)  # a unit appended twice (a late redelivery) ran once
                 units.append((msg.metadata.sequence.stream, unit))
 
         work_last = await last_seq(self.bus, s.STREAM_WORK)
@@ -163,7 +167,7 @@ class TrainerService:
                 with tracing.span(
                     "trainer.execute", unit.traceparent, unit_id=unit.unit_id, trainer=self.trainer_id
                 ) as ctx:
-                    outcome, publishes = await asyncio.to_thread(self.execute, unit, False)
+                    outcome, publishes = await self._run_with_watchdog(unit)
             finally:
                 working.cancel()
             publishes = [msgspec.structs.replace(p, traceparent=ctx) for p in publishes]
@@ -171,9 +175,12 @@ class TrainerService:
                 await self.bus.publish(
                     s.publish_subject(publish.model_id), codec.pack(publish), msg_id=publish.request_id
                 )
+            if publishes:
+                crash_point("trainer.save_handed_off")  # fault tests: published, no outcome yet
             await self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
+            crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             self.completed.add(unit.unit_id)
             await msg.ack()
             self.last_work_seq = seq
@@ -190,6 +197,26 @@ class TrainerService:
                     at_ns=now_ns(),
                 )
             )
+
+    async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PublishSnapshot]]:
+        """Execute in a worker thread; a unit that outlives `unit_timeout_s` ends the process.
+
+        A wedged compute thread cannot be cancelled, and the event loop would go on reporting
+        progress for it forever. Exiting hands the unit back: the supervisor restarts the
+        trainer, which rebuilds its state and gets the unacknowledged unit again.
+        """
+        work = asyncio.ensure_future(asyncio.to_thread(self.execute, unit, False))
+        done, _ = await asyncio.wait([work], timeout=self.config.unit_timeout_s)
+        if not done:
+            log.error(
+                "unit %s is still running after %.0f s (unit_timeout_s): the trainer is wedged; "
+                "exiting so that it is restarted and the unit delivered again",
+                unit.unit_id,
+                self.config.unit_timeout_s,
+            )
+            logging.shutdown()
+            os._exit(WEDGED_EXIT_CODE)
+        return work.result()
 
     async def _maybe_snapshot(self) -> None:
         due_steps = self.steps_since_snapshot >= self.config.snapshot_every_steps
@@ -238,6 +265,8 @@ class TrainerService:
     # --- execution (runs in a worker thread; pure function of the unit and slot state) --------
     def execute(self, unit: Unit, replaying: bool) -> tuple[Outcome, list[PublishSnapshot]]:
         started = now_ns()
+        if not replaying:
+            crash_point("trainer.executing")  # fault tests: killed or wedged mid-unit
         if isinstance(unit, WorkUnit):
             return self._work(unit, started), []
         return self._barrier(unit, replaying, started)
