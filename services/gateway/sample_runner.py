@@ -31,6 +31,7 @@ from services.gateway.context import Gateway
 log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0
 PROGRESS_EVERY_S = 5.0
+ENGINE_WAIT_S = 600.0  # how long an accepted sample waits for an unreachable engine (SGLang restarts)
 
 
 class SampleRunner:
@@ -95,7 +96,19 @@ class SampleRunner:
                 await msg.ack()  # a redelivered or re-enqueued job that already has its result
                 return
             crash_point("gateway.sample_started")  # fault tests: die holding an unacked job
-            body = await self.run(job)
+            try:
+                body = await self.run(job)
+            except httpx.TransportError as exc:  # the engine is down or restarting (killed mid-sample)
+                waited = (now_ns() - job.at_ns) / 1e9
+                if waited < ENGINE_WAIT_S:
+                    attempt = msg.metadata.num_delivered or 1
+                    log.warning("sample %s: engine unreachable (%s); retrying", job.request_id, exc)
+                    await msg.nak(delay=min(5.0, 0.5 * attempt))  # run it again once the engine is back
+                    return
+                body = Failure(
+                    error=f"the sampling engine was unreachable for {waited:.0f}s: {type(exc).__name__}: {exc}",
+                    category="server",
+                )
             result = RequestResult(
                 kind="sample",
                 body=body,
@@ -132,6 +145,8 @@ class SampleRunner:
         except sglang.EngineError as exc:
             category = "user" if exc.status == 400 else "server"
             return Failure(error=f"sampling engine refused the request: {exc}", category=category)
+        except httpx.TransportError:
+            raise  # transient: the job is delivered again (see _handle)
         except Exception as exc:
             log.exception("sample %s failed", job.request_id)
             return Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")

@@ -108,6 +108,15 @@ class PublisherService:
                     "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
                 ):
                     body = await self.publish(publish)
+            except OSError as exc:  # a full disk: the writer removed its temporary directory
+                log.exception("publishing %s failed", publish.request_id)
+                shutil.rmtree(publish.staging_dir, ignore_errors=True)  # this publication is over
+                kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
+                body = Failure(
+                    error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
+                    f"nothing was published{kept}. Free disk space on the server, then save again",
+                    category="server",
+                )
             except Exception as exc:
                 log.exception("publishing %s failed", publish.request_id)
                 body = Failure(
@@ -176,7 +185,10 @@ class PublisherService:
 
     async def _load_everywhere(self, name: str, directory: Path) -> None:
         for url in self.config.engines():
-            await load_adapter(self.client, url, name, str(directory))
+            try:
+                await load_adapter(self.client, url, name, str(directory))
+            except httpx.TransportError as exc:  # down or restarting: the gateway loads it before sampling
+                log.warning("engine %s unreachable while loading %s (%s); it is loaded on demand", url, name, exc)
 
     async def _event(self, p: PublishSnapshot, engine_name: str, directory: Path) -> None:
         await self.bus.emit(

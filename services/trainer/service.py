@@ -223,14 +223,19 @@ class TrainerService:
         due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
         if not (due_steps or (due_time and self.steps_since_snapshot)):
             return
-        await asyncio.to_thread(
-            trainer_snapshots.take,
-            self.engine,
-            dict(self.slot_models),
-            self.data_dir,
-            self.config.group,
-            self.last_work_seq,
-        )
+        try:
+            await asyncio.to_thread(
+                trainer_snapshots.take,
+                self.engine,
+                dict(self.slot_models),
+                self.data_dir,
+                self.config.group,
+                self.last_work_seq,
+            )
+        except OSError as exc:  # a full disk: recovery replays from the previous snapshot instead
+            log.warning("could not write an internal snapshot (%s); training goes on without it", exc)
+            self.last_snapshot_at = time.monotonic()
+            return
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
         self.snapshot_work_seq, self.snapshot_ns = self.last_work_seq, now_ns()
@@ -349,7 +354,7 @@ class TrainerService:
                         model_id=op.model_id,
                         request_id=op.request_id,
                         ok=False,
-                        error=str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                        error=str(exc) if isinstance(exc, (UserError, StorageError)) else f"{type(exc).__name__}: {exc}",
                         category="user" if isinstance(exc, UserError) else "server",
                     ),
                     None,
@@ -484,7 +489,16 @@ class TrainerService:
             )
             files = peft_files(tensors, adapter_config, snapshot_meta)
             kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
-        layout.write_dir_atomically(staging, files)
+        try:
+            layout.write_dir_atomically(staging, files)
+        except OSError as exc:
+            what = "save_state" if isinstance(op, SaveSlot) else "save_weights_for_sampler"
+            kept = f"; {op.tinker_path} still holds its previous version" if op.tinker_path else ""
+            raise StorageError(
+                f"{what} failed: the server could not write the checkpoint files "
+                f"({exc.strerror or exc}); nothing was saved{kept}. Free disk space on the server, "
+                "then save again"
+            ) from exc
         publish = PublishSnapshot(
             kind=kind,
             staging_dir=str(staging),
@@ -506,6 +520,10 @@ class TrainerService:
 
 class UserError(Exception):
     pass
+
+
+class StorageError(Exception):
+    """The data directory refused a write (a full disk, ...): a server error with a clear text."""
 
 
 def raise_user(message: str) -> None:
