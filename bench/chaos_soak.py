@@ -60,6 +60,8 @@ class Round:
     lost: int
     stalled: int
     differs: list[str]
+    close_hung: int = 0  # the SDK's close() did not return (client side)
+    close_unfinished: int = 0  # ...and the server had not finished the session
 
 
 @dataclass
@@ -85,13 +87,19 @@ class Report:
         return self.results_replaced + self.units_planned_twice + self.units_with_two_outcomes
 
     @property
+    def close_unfinished(self) -> int:
+        return sum(r.close_unfinished for r in self.rounds)
+
+    @property
     def rounds_differing(self) -> int:
         return sum(1 for r in self.rounds if r.differs)
 
     @property
     def ok(self) -> bool:
         unrecovered = [k for k in self.kills if k.ready_s is None]
-        return not (self.lost or self.stalled or self.doubled or self.rounds_differing or unrecovered)
+        return not (
+            self.lost or self.stalled or self.doubled or self.rounds_differing or self.close_unfinished or unrecovered
+        )
 
 
 def reference_run(base: Path, tenants: int) -> dict[int, Any]:
@@ -160,6 +168,8 @@ def soak(
                     stalled=sum(1 for r in runs if r.stalled),
                     differs=differences([r for r in runs if r.error is None], reference)
                     + [f"tenant {r.tenant}: {r.stalled or 'call'} failed: {r.error!r}"[:300] for r in runs if r.error],
+                    close_hung=sum(1 for r in runs if r.close_hung),
+                    close_unfinished=sum(1 for r in runs if r.close_hung and not r.session_finished),
                 )
             )
             index += 1
@@ -195,6 +205,11 @@ def summary(report: Report) -> str:
                 {"what": "doubled: units run twice (two outcomes)", "n": report.units_with_two_outcomes},
                 {"what": "rounds whose results differ from the reference", "n": report.rounds_differing},
                 {"what": "stalled calls", "n": report.stalled},
+                {"what": "sessions the server did not finish", "n": report.close_unfinished},
+                {
+                    "what": "SDK close() that did not return in 60 s (client side: the server had finished the session)",
+                    "n": sum(r.close_hung - r.close_unfinished for r in report.rounds),
+                },
                 {"what": "kills not recovered from", "n": sum(1 for k in report.kills if k.ready_s is None)},
             ],
             [("", "what"), ("count", "n")],

@@ -40,6 +40,7 @@ REFERENCE_TENANTS = 4  # in the reference run (the chaos soak runs 4; tenants ar
 STEPS = 4
 SAMPLE_AT = 1  # the step after which each tenant saves for sampling and samples once
 STALL_S = 300.0  # a call that has no result after this long is stalled (and fails the run)
+CLOSE_S = 60.0  # how long ServiceClient.close() may take
 LEARNING_RATE = 1e-2
 
 
@@ -83,6 +84,8 @@ class TenantRun:
     stalled: str = ""  # the call that timed out
     call_seconds: list[float] = field(default_factory=list)
     completed_at: list[float] = field(default_factory=list)  # time.monotonic() of each call's result
+    close_hung: bool = False  # the SDK's close() did not return within CLOSE_S
+    session_finished: bool = True  # ...and whether the server had finished the session anyway
 
     def record(self, call: str, digest: str, started: float) -> None:
         self.calls.append((call, digest))
@@ -101,45 +104,65 @@ EXPECTED_CALLS = ["create"] + [
 
 
 def run_tenant(base_url: str, data_dir: Path, run: TenantRun, key: str = "fault") -> None:
-    """The tenant's calls, each waited for (at most STALL_S); the SDK's own retries only."""
+    """The tenant's calls, each waited for (at most STALL_S); the SDK's own retries only.
+
+    The session is closed at the end (`finish`: its model gives its adapter slot back). The SDK's
+    `close()` can hang on its side after the server has finished the session (its heartbeat task
+    keeps retrying against the closed client); that wait is bounded and reported apart
+    (`close_hung`), with whether the server did finish the session."""
     t = run.tenant
     current = "create"
+    client = tinker.ServiceClient(base_url=base_url, api_key=f"tml-{key}-tenant-{t}")
     try:
-        with tinker.ServiceClient(base_url=base_url, api_key=f"tml-{key}-tenant-{t}") as client:
+        started = time.monotonic()
+        trainer = _result(client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=100 + t))
+        run.model_id = trainer.model_id
+        run.record("create", "", started)
+        for step in range(STEPS):
             started = time.monotonic()
-            trainer = _result(client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=100 + t))
-            run.model_id = trainer.model_id
-            run.record("create", "", started)
-            for step in range(STEPS):
+            current = f"fb {step}"
+            fb = trainer.forward_backward([datum(t, step, 0), datum(t, step, 1)], "cross_entropy")
+            opt = trainer.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
+            run.record("fb", fb_digest(fb.result(timeout=STALL_S)), started)
+            current = f"optim {step}"
+            metrics = opt.result(timeout=STALL_S).metrics
+            run.record("optim", _digest(repr(sorted(metrics.items())).encode()), started)
+            if step == SAMPLE_AT:
                 started = time.monotonic()
-                current = f"fb {step}"
-                fb = trainer.forward_backward([datum(t, step, 0), datum(t, step, 1)], "cross_entropy")
-                opt = trainer.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
-                run.record("fb", fb_digest(fb.result(timeout=STALL_S)), started)
-                current = f"optim {step}"
-                metrics = opt.result(timeout=STALL_S).metrics
-                run.record("optim", _digest(repr(sorted(metrics.items())).encode()), started)
-                if step == SAMPLE_AT:
-                    started = time.monotonic()
-                    current = "save_for_sampler"
-                    sampler = _result(trainer.save_weights_and_get_sampling_client())
-                    run.record("save_for_sampler", "", started)
-                    started = time.monotonic()
-                    current = "sample"
-                    prompt = types.ModelInput.from_ints([5, 6, 7 + t])
-                    params = types.SamplingParams(max_tokens=4, temperature=0.0)
-                    out = sampler.sample(prompt, num_samples=1, sampling_params=params).result(timeout=STALL_S)
-                    tokens = [list(seq.tokens) for seq in out.sequences]
-                    run.record("sample", _digest(json.dumps(tokens).encode()), started)
-            started = time.monotonic()
-            current = "save_state"
-            path = trainer.save_state("final").result(timeout=STALL_S).path
-            run.record("save_state", "", started)
-            run.final = checkpoint_digests(data_dir, path)
+                current = "save_for_sampler"
+                sampler = _result(trainer.save_weights_and_get_sampling_client())
+                run.record("save_for_sampler", "", started)
+                started = time.monotonic()
+                current = "sample"
+                prompt = types.ModelInput.from_ints([5, 6, 7 + t])
+                params = types.SamplingParams(max_tokens=4, temperature=0.0)
+                out = sampler.sample(prompt, num_samples=1, sampling_params=params).result(timeout=STALL_S)
+                tokens = [list(seq.tokens) for seq in out.sequences]
+                run.record("sample", _digest(json.dumps(tokens).encode()), started)
+        started = time.monotonic()
+        current = "save_state"
+        path = trainer.save_state("final").result(timeout=STALL_S).path
+        run.record("save_state", "", started)
+        run.final = checkpoint_digests(data_dir, path)
     except TimeoutError as exc:
         run.stalled, run.error = current, exc
     except BaseException as exc:
         run.error = exc
+    finally:
+        try:
+            client.close("success" if run.error is None else "errored").result(timeout=CLOSE_S)
+        except TimeoutError:
+            run.close_hung = True
+            run.session_finished = bool(run.model_id) and _session_finished(base_url, run.model_id)
+
+
+def _session_finished(base_url: str, model_id: str) -> bool:
+    """Whether the server recorded the model's session as finished (the operator status)."""
+    import httpx
+
+    session_id = model_id.split(":")[0]
+    sessions = httpx.get(f"{base_url}/api/v1/operator/status", timeout=30).json()["sessions"]
+    return any(x["session_id"] == session_id and x["finished"] for x in sessions)
 
 
 def run_workload(base_url: str, data_dir: Path, tenants: int = TENANTS, key: str = "fault") -> list[TenantRun]:
