@@ -182,15 +182,37 @@ class GroupLayout:
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
 
 
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs on CPU (any float dtype) and on CUDA for bf16 on SM90+."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether ``torch._grouped_mm`` runs here for ``x``'s device and dtype (checked once each).
+
+    It runs on CPU for any float dtype, and on CUDA for bf16 on SM90+ with alignment rules. A
+    small forward and backward with uneven groups is tried once per (device type, dtype); where
+    it raises or disagrees with the plain per-group products, the per-segment path is used.
+    """
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_OK:
+        _GROUPED_OK[key] = hasattr(torch, "_grouped_mm") and _probe_grouped_mm(x.device, x.dtype)
+    return _GROUPED_OK[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 9):
         return False
-    if x.device.type == "cpu":
-        return True
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 8, 16, generator=gen).to(device, dtype).requires_grad_()  # [G, r, in]
+        offsets = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)  # an empty group too
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        y.backward(torch.ones_like(y))
+        ref = torch.cat([x[:5] @ w[0].t(), x[5:13] @ w[2].t()])
+        tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+        return bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max())))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class SlotAdapter(nn.Module):

@@ -167,7 +167,7 @@ def _session_finished(base_url: str, model_id: str) -> bool:
 
 def run_workload(base_url: str, data_dir: Path, tenants: int = TENANTS, key: str = "fault") -> list[TenantRun]:
     runs = [TenantRun(t) for t in range(tenants)]
-    threads = [threading.Thread(target=run_tenant, args=(base_url, data_dir, r, key)) for r in runs]
+    threads = [threading.Thread(target=run_tenant, args=(base_url, data_dir, r, key), daemon=True) for r in runs]
     for thread in threads:
         thread.start()
     for thread in threads:
