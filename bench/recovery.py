@@ -4,7 +4,7 @@ One real stack (tiny-qwen3). A workload of 4 tenants (threads), each running ``S
 ``forward_backward`` (2 datums of 32 tokens) + ``optim_step``, fills the work stream. Then:
 
 1. Replay speed: every unit of the work stream re-executed by a fresh in-process trainer
-   (``TrainerService.execute(unit, True)``, as ``tests/faults/replay_check.py`` does), timed per
+   (``TrainerService.execute(unit, True)``, as the trainer's own recovery does), timed per
    unit; the same units' live execute times (outcome ``finished_ns - started_ns``) for context
    (they ran while the workload's clients and every service shared the CPU).
 2. Recovery time with K units after the newest internal snapshot (K = 0, 10, 50): a snapshot is

@@ -1,7 +1,11 @@
 """The NATS connection every service holds, with the few rules the event log depends on.
 
 - Every publish carries the trace context in its headers, and a `Nats-Msg-Id` where a retry or a
-  redelivery could publish the same fact twice (JetStream drops the duplicate).
+  redelivery could publish the same fact twice (JetStream drops the duplicate, but only within
+  its duplicate window: nothing may depend on that for correctness).
+- A request's result is appended with `publish_once`: the server refuses it when the request's
+  subject already holds a result (`Nats-Expected-Last-Subject-Sequence: 0`), whenever it comes,
+  so a result is appended at most once however late a redelivered message redoes the work.
 - Pull subscriptions are unsubscribed before `drain()`: a pull fetch that timed out otherwise makes
   drain hang for its whole timeout (nats.py#933).
 - An empty `fetch()` raises TimeoutError; consumer loops treat that as "nothing yet".
@@ -30,6 +34,8 @@ from libs.contracts import subjects as s
 from libs.contracts.events import OperationEvent
 
 log = logging.getLogger("tinkerd.bus")
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
 
 
 class Bus:
@@ -70,6 +76,28 @@ class Bus:
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
         return await self.js.publish(subject, payload, headers=headers)
+
+    async def publish_once(
+        self, subject: str, payload: bytes, msg_id: str | None = None, traceparent: str = ""
+    ) -> bool:
+        """Append to `subject` only if it holds no message yet; False when one was already there.
+
+        The check is the server's (optimistic concurrency on the subject's last sequence), so it
+        holds across processes and restarts and does not depend on the duplicate window.
+        """
+        headers = tracing.inject({})
+        if traceparent and "traceparent" not in headers:
+            headers["traceparent"] = traceparent
+        if msg_id:
+            headers["Nats-Msg-Id"] = msg_id
+        headers[EXPECTED_LAST_SUBJECT_SEQ] = "0"
+        try:
+            ack = await self.js.publish(subject, payload, headers=headers)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                return False
+            raise
+        return not ack.duplicate
 
     def emit_soon(self, event: OperationEvent) -> None:
         """Publish an operation event without waiting for its ack (off the critical path)."""
@@ -201,6 +229,15 @@ async def ack_floor(bus: Bus, stream: str, durable: str) -> int:
     """The stream sequence up to which `durable` has acknowledged everything (0 if new)."""
     info = await bus.js.consumer_info(stream, durable)
     return info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+
+
+async def has_message(bus: Bus, stream: str, subject: str) -> bool:
+    """Whether `stream` holds a message on `subject` (a direct get of the subject's last one)."""
+    try:
+        await bus.js.get_last_msg(stream, subject, direct=True)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
 
 
 async def last_seq(bus: Bus, stream: str) -> int:

@@ -25,7 +25,17 @@ max_payload: 8MB
 jetstream {{
   store_dir: "{store}"
   max_memory_store: 256MB
+  sync_interval: {sync}
 }}
+"""
+DEFAULT_SYNC_INTERVAL = "2m"
+"""How often JetStream fsyncs its files (nats-server's own default, written out so it is visible).
+
+Every acknowledged write is in the operating system's page cache at once, so a killed (even
+kill -9) nats-server loses nothing. A power loss or kernel crash loses what was acknowledged
+since the last fsync: up to this interval. `always` fsyncs every write before acknowledging it
+(nothing acknowledged is lost, at a cost per publish: docs/operations.md). Set with
+`TINKERD_NATS_SYNC_INTERVAL` (a Go duration such as `10s`, or `always`).
 """
 
 
@@ -73,6 +83,7 @@ def start_nats(
     monitor: bool = True,
     ready_timeout_s: float = 30.0,
     log_sink: Path | None = None,
+    sync_interval: str | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream storing under `data_dir`, and wait until it is ready.
 
@@ -83,10 +94,14 @@ def start_nats(
         monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a free port.
         ready_timeout_s: give up (and kill the server) if it is not ready by then.
         log_sink: append the server's log lines to this file as well.
+        sync_interval: JetStream's fsync interval (see DEFAULT_SYNC_INTERVAL).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     conf = data_dir / "nats-server.conf"
-    conf.write_text(SERVER_CONFIG.format(store=str(data_dir / "jetstream")))
+    sync = sync_interval or os.environ.get("TINKERD_NATS_SYNC_INTERVAL") or DEFAULT_SYNC_INTERVAL
+    if not re.fullmatch(r"always|\d+(ms|s|m|h)", sync):
+        raise ValueError(f"TINKERD_NATS_SYNC_INTERVAL must be `always` or a duration like 10s, got {sync!r}")
+    conf.write_text(SERVER_CONFIG.format(store=str(data_dir / "jetstream"), sync=sync))
     cmd = [server_binary(), "-c", str(conf), "-a", host, "-p", str(port)]
     if monitor:
         cmd += ["-m", "-1"]

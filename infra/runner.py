@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from infra import tracing
 
@@ -21,6 +23,18 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+LIVENESS_EVERY_S = 2.0
+
+
+async def _show_liveness(path: Path) -> None:
+    """Touch the supervisor's liveness file while this event loop runs (a frozen or deadlocked
+    process stops touching it, and the supervisor restarts it: infra/supervisor.py)."""
+    while True:
+        with contextlib.suppress(OSError):
+            path.touch()
+        await asyncio.sleep(LIVENESS_EVERY_S)  # a heartbeat, not synchronisation
+
+
 def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Set up logging and tracing, run `main(stop)`, and set `stop` on SIGTERM/SIGINT."""
     setup_logging()
@@ -31,7 +45,13 @@ def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        liveness = os.environ.get("TINKERD_LIVENESS_FILE")
+        beat = asyncio.create_task(_show_liveness(Path(liveness))) if liveness else None
+        try:
+            await main(stop)
+        finally:
+            if beat is not None:
+                beat.cancel()
 
     try:
         import uvloop

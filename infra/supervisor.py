@@ -1,9 +1,11 @@
 """`tinkerd up`: one command that runs the whole stack on this machine.
 
 Starts nats-server (unless an existing server is given), then each service as its own process
-(`tinkerd serve NAME`). It supervises them: log lines are prefixed by service, a crashed service is
-restarted with backoff, and Ctrl-C (or SIGTERM) stops everything, nats-server included, leaving no
-process behind.
+(`tinkerd serve NAME`). It supervises them all: log lines are prefixed by service; a process that
+exits (a crash, kill -9) is restarted with backoff, nats-server on the same port and store; a
+service that stops showing signs of life (its liveness file, touched every few seconds by its
+event loop, goes stale: a frozen or deadlocked process) is killed and restarted the same way; and
+Ctrl-C (or SIGTERM) stops everything, nats-server included, leaving no process behind.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def _prefix(name: str) -> str:
     return label + " "
 
 
+LIVENESS_TIMEOUT_S = 60.0
+"""A service whose liveness file is older than this is taken as hung (`TINKERD_LIVENESS_TIMEOUT_S`)."""
+
+
 @dataclass
 class Child:
     name: str
@@ -48,6 +54,48 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     log_thread: threading.Thread | None = field(default=None, repr=False)
+    liveness: Path | None = None  # touched by the service's event loop (infra/runner.py)
+
+
+class SupervisedNats:
+    """The embedded nats-server: restarted on the same port and store whenever it exits."""
+
+    def __init__(self, data_dir: Path, log_sink: Path | None = None, port: int = -1) -> None:
+        self.data_dir = data_dir
+        self.log_sink = log_sink
+        self.port = port
+        self.server: NatsServer | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+
+    def start(self) -> NatsServer:
+        self.server = start_nats(self.data_dir, port=self.port, log_sink=self.log_sink)
+        self.port = int(self.server.url.rsplit(":", 1)[1])  # a restart keeps the clients' URL
+        self.started_at = time.monotonic()
+        return self.server
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def watch(self, exits: queue.Queue[str]) -> None:
+        """Report the server's exit (reaping it: no zombie) to the supervisor's queue."""
+        server = self.server
+        assert server is not None
+
+        def wait() -> None:
+            server.process.wait()
+            exits.put(NATS)
+
+        threading.Thread(target=wait, name="nats-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+NATS = "nats"
 
 
 class Supervisor:
@@ -59,7 +107,11 @@ class Supervisor:
         services: tuple[str, ...] = SERVICES,
         on_line: Callable[[str, str], None] | None = None,
         echo: bool = True,
+        nats: SupervisedNats | None = None,
+        run_dir: Path | None = None,
     ) -> None:
+        """`nats`: a started embedded server to keep alive; `run_dir`: where liveness files go
+        (None: no liveness checks)."""
         self.env = env
         self.children = {name: Child(name, env) for name in services}
         self.exits: queue.Queue[str] = queue.Queue()
@@ -67,6 +119,13 @@ class Supervisor:
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
         self.on_line = on_line
         self.echo = echo
+        self.nats = nats
+        self.liveness_timeout_s = float(env.get("TINKERD_LIVENESS_TIMEOUT_S", LIVENESS_TIMEOUT_S))
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for child in self.children.values():
+                child.liveness = run_dir / f"{child.name}.alive"
+                child.env = {**env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
         self._print_lock = threading.Lock()
 
     def say(self, name: str, line: str) -> None:
@@ -80,6 +139,8 @@ class Supervisor:
 
     def start(self, child: Child) -> None:
         cmd = [sys.executable, "-m", "infra.cli", "serve", child.name]
+        if child.liveness is not None:
+            child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
         child.process = subprocess.Popen(
             cmd,
             env=child.env,
@@ -99,24 +160,28 @@ class Supervisor:
         self.exits.put(child.name)
 
     def run(self, on_ready: threading.Event | None = None) -> None:
+        if self.nats is not None:
+            self.nats.watch(self.exits)
         for child in self.children.values():
             self.start(child)
         while not self.stopping.is_set():
             try:
                 name = self.exits.get(timeout=0.5)
             except queue.Empty:
+                self._check_liveness()
                 continue
             if self.stopping.is_set():
                 break
+            if name == NATS:
+                self._restart_nats()
+                continue
             child = self.children[name]
             assert child.process is not None
             if name in self.held:
                 self.say(name, f"exited with code {child.process.returncode}; held down until released")
                 continue
             code = child.process.returncode
-            stable = time.monotonic() - child.started_at > 30
-            child.restarts = 0 if stable else child.restarts + 1
-            delay = min(10.0, 0.5 * (2 ** min(child.restarts, 5)))
+            delay = self._backoff(child)
             self.say(name, f"exited with code {code}; restarting in {delay:.1f}s")
             if self.stopping.wait(delay):
                 break
@@ -131,6 +196,45 @@ class Supervisor:
         if name in self.held:
             self.held.discard(name)
             self.exits.put(name)
+
+    @staticmethod
+    def _backoff(child: Child | SupervisedNats) -> float:
+        """0.5 s doubling to 10 s; back to 0.5 s once a run lasted 30 s."""
+        stable = time.monotonic() - child.started_at > 30
+        child.restarts = 0 if stable else child.restarts + 1
+        return min(10.0, 0.5 * (2 ** min(child.restarts, 5)))
+
+    def _restart_nats(self) -> None:
+        """nats-server exited: start it again on the same port and store (clients reconnect)."""
+        assert self.nats is not None and self.nats.server is not None
+        code = self.nats.server.process.returncode
+        delay = self._backoff(self.nats)
+        self.say(NATS, f"nats-server exited with code {code}; restarting in {delay:.1f}s on the same port and store")
+        while not self.stopping.wait(delay):
+            try:
+                server = self.nats.start()
+            except RuntimeError as exc:  # e.g. the port is still held: try again
+                delay = self._backoff(self.nats)
+                self.say(NATS, f"nats-server did not start ({str(exc).splitlines()[0]}); retrying in {delay:.1f}s")
+                continue
+            self.say(NATS, f"nats-server ready on {server.url} (restart {self.nats.restarts})")
+            self.nats.watch(self.exits)
+            return
+
+    def _check_liveness(self) -> None:
+        """Kill a service whose event loop stopped touching its liveness file (it is restarted)."""
+        now = time.time()
+        for child in self.children.values():
+            if child.liveness is None or child.process is None or child.process.poll() is not None:
+                continue
+            try:
+                age = now - child.liveness.stat().st_mtime
+            except FileNotFoundError:
+                continue  # still starting (imports, model load): no file yet
+            if age > self.liveness_timeout_s:
+                self.say(child.name, f"no sign of life for {age:.0f}s (hung?); killing it to restart it")
+                child.liveness.unlink(missing_ok=True)
+                _signal_group(child.process, signal.SIGKILL)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.stopping.set()
@@ -184,13 +288,14 @@ def up(
 
     data_dir.mkdir(parents=True, exist_ok=True)
     model = resolve_base_model(base_model, data_dir)  # builds the embedded tiny model if missing
-    nats: NatsServer | None = None
+    nats: SupervisedNats | None = None
     if nats_url is None:
-        nats = start_nats(data_dir / "nats", log_sink=data_dir / "nats.log")
-        nats_url = nats.url
+        nats = SupervisedNats(data_dir / "nats", log_sink=data_dir / "nats.log")
+        server = nats.start()
+        nats_url = server.url
         (data_dir / "nats.url").write_text(nats_url)  # for `tinkerd status` / `tinkerd events`
         print(
-            f"{_prefix('nats')}nats-server {nats.url} (monitor {nats.monitor_url}, store {data_dir / 'nats'})"
+            f"{_prefix('nats')}nats-server {server.url} (monitor {server.monitor_url}, store {data_dir / 'nats'})"
         )
     sampler_port = free_port()
     env = {
@@ -207,7 +312,7 @@ def up(
         "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
         **(extra_env or {}),
     }
-    supervisor = Supervisor(env, services)
+    supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run")
 
     def on_signal(signum: int, _frame: object) -> None:
         supervisor.stopping.set()

@@ -1,8 +1,8 @@
 """A real Tinkerd stack for tests: nats-server plus every service as its own process.
 
 Readiness is event-driven: the harness watches each service's log lines for its ready marker
-(no sleeps, no polling). Services run under the same `Supervisor` as `tinkerd up`, so a killed
-service is restarted exactly as in production.
+(no sleeps, no polling). Services and nats-server run under the same `Supervisor` as `tinkerd up`
+(liveness files included), so a killed or frozen process is restarted exactly as in production.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import signal
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.natsd import NatsServer, start_nats
-from infra.supervisor import SERVICES, Supervisor, free_port
+from infra.natsd import NatsServer
+from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port
 
 READY_MARKERS = {
     "gateway": "gateway ready on",
@@ -24,6 +25,7 @@ READY_MARKERS = {
     "trainer": "tinkerd.trainer: trainer",
     "publisher": "publisher ready",
     "sampler": "Application startup complete",
+    NATS: "nats-server ready on",
 }
 START_TIMEOUT_S = 240.0
 
@@ -33,10 +35,11 @@ class Stack:
     data_dir: Path
     services: tuple[str, ...] = SERVICES
     env_overrides: dict[str, str] = field(default_factory=dict)
-    nats: NatsServer | None = None
+    supervised_nats: SupervisedNats | None = None
     supervisor: Supervisor | None = None
     port: int = 0
     logs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    listeners: list[Callable[[str, str], None]] = field(default_factory=list)  # (service, log line)
     _ready: dict[str, threading.Event] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
@@ -45,21 +48,29 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def nats(self) -> NatsServer | None:
+        """The nats-server process running now (a new one after a restart, on the same URL)."""
+        return self.supervised_nats.server if self.supervised_nats else None
+
+    @property
     def nats_url(self) -> str:
-        assert self.nats is not None
-        return self.nats.url
+        assert self.supervised_nats is not None
+        return self.supervised_nats.url
 
     def _on_line(self, service: str, line: str) -> None:
         self.logs[service].append(line)
         if READY_MARKERS[service] in line and service in self._ready:
             self._ready[service].set()
+        for listener in self.listeners:
+            listener(service, line)
 
     def start(self) -> Stack:
         from libs.models.registry import resolve_base_model
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         model = resolve_base_model("tiny-qwen3", self.data_dir)
-        self.nats = start_nats(self.data_dir / "nats")
+        self.supervised_nats = SupervisedNats(self.data_dir / "nats")
+        self.supervised_nats.start()
         self.port = free_port()
         sampler_port = free_port()
         env = {
@@ -67,7 +78,7 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-            "TINKERD_NATS_URL": self.nats.url,
+            "TINKERD_NATS_URL": self.nats_url,
             "TINKERD_DATA_DIR": str(self.data_dir),
             "TINKERD_BASE_MODEL": "tiny-qwen3",
             "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
@@ -84,7 +95,14 @@ class Stack:
         }
         self._ready = {name: threading.Event() for name in self.services}
         echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
-        self.supervisor = Supervisor(env, self.services, on_line=self._on_line, echo=echo)
+        self.supervisor = Supervisor(
+            env,
+            self.services,
+            on_line=self._on_line,
+            echo=echo,
+            nats=self.supervised_nats,
+            run_dir=self.data_dir / "run",
+        )
         self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
         self._thread.start()
         self.wait_ready(*self.services)
@@ -97,13 +115,9 @@ class Stack:
                 raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f}s; last log lines:\n{tail}")
 
     def kill(self, service: str) -> threading.Event:
-        """kill -9 one service; returns an event set when its restarted process is ready again."""
-        assert self.supervisor is not None
-        child = self.supervisor.children[service]
-        assert child.process is not None
-        self._ready[service] = threading.Event()
-        os.killpg(child.process.pid, signal.SIGKILL)
-        return self._ready[service]
+        """kill -9 one service, or nats-server (`NATS`); returns an event set when the restarted
+        process is ready again."""
+        return self._signal(service, signal.SIGKILL)
 
     def stop_service(self, service: str) -> None:
         """kill -9 one service and keep it down (the supervisor does not restart it) until `start_service`."""
@@ -121,12 +135,22 @@ class Stack:
         self.supervisor.release(service)
         return self._ready[service]
 
-    def restart_nats(self) -> None:
-        """Stop nats-server (SIGTERM) and start it again on the same port and store."""
-        assert self.nats is not None
-        port = int(self.nats.url.rsplit(":", 1)[1])
-        self.nats.stop()
-        self.nats = start_nats(self.data_dir / "nats", port=port)
+    def freeze(self, service: str) -> threading.Event:
+        """SIGSTOP one service (a hang: alive, doing nothing); the event is set when the process
+        the supervisor started in its place is ready."""
+        return self._signal(service, signal.SIGSTOP)
+
+    def _signal(self, service: str, sig: signal.Signals) -> threading.Event:
+        assert self.supervisor is not None
+        self._ready[service] = threading.Event()
+        if service == NATS:
+            assert self.nats is not None
+            os.kill(self.nats.process.pid, sig)
+        else:
+            child = self.supervisor.children[service]
+            assert child.process is not None
+            os.killpg(child.process.pid, sig)
+        return self._ready[service]
 
     def stop(self) -> None:
         if self.supervisor is not None:
@@ -134,8 +158,8 @@ class Stack:
             self.supervisor.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.nats is not None:
-            self.nats.stop()
+        if self.supervised_nats is not None:
+            self.supervised_nats.stop()
 
     def spans(self) -> list[dict[str, object]]:
         """Every span the services have finished so far (they export synchronously)."""

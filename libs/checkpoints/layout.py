@@ -16,7 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from infra.faults import crash_point
+from infra.faults import crash_point, service_point
 
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 
@@ -65,9 +65,9 @@ def write_dir_atomically(
         if copy_from is not None:
             for src in sorted(copy_from.iterdir()):
                 if src.is_file():
-                    shutil.copyfile(src, tmp / src.name)
+                    _copy_file(src, tmp / src.name)
         for name, data in (files or {}).items():
-            (tmp / name).write_bytes(data)
+            _write_file(tmp / name, data)
         for child in tmp.iterdir():
             child.chmod(0o644)  # sampling engines may run as another user
             with open(child, "rb") as handle:
@@ -86,6 +86,26 @@ def write_dir_atomically(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write `data`; the fault point sits mid-file, where a full disk or a crash would strike."""
+    with open(path, "wb") as handle:
+        half = len(data) // 2
+        handle.write(data[:half])
+        service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC with half a file written
+        handle.write(data[half:])
+
+
+def _copy_file(src: Path, dst: Path, chunk: int = 1 << 22) -> None:
+    """A streaming copy with the same mid-file fault point as `_write_file`."""
+    with open(src, "rb") as source, open(dst, "wb") as target:
+        left = src.stat().st_size // 2
+        while left > 0 and (block := source.read(min(chunk, left))):
+            target.write(block)
+            left -= len(block)
+        service_point("checkpoint_write")
+        shutil.copyfileobj(source, target, chunk)
 
 
 def switch_link(public: Path, target: Path) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 
+import httpx
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
@@ -38,6 +39,7 @@ log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0
 PROGRESS_EVERY_S = 5.0
 PAUSED_CAPACITY = "paused_capacity"
+
 
 
 class SampleRunner:
@@ -95,8 +97,23 @@ class SampleRunner:
         progress = asyncio.create_task(_report_progress(msg))
         try:
             job = codec.sample_job_decoder.decode(msg.data)
+            if await self.gateway.board.lookup(job.request_id) is not None:
+                await msg.ack()  # a redelivered or re-enqueued job that already has its result
+                return
             crash_point("gateway.sample_started")  # fault tests: die holding an unacked job
-            body = await self.run(job)
+            try:
+                body = await self.run(job)
+            except httpx.TransportError as exc:  # the engine is down or restarting (killed mid-sample)
+                waited = (now_ns() - job.at_ns) / 1e9
+                if waited < self.gateway.config.sample_deadline_s:  # the sample's own deadline
+                    attempt = msg.metadata.num_delivered or 1
+                    log.warning("sample %s: engine unreachable (%s); retrying", job.request_id, exc)
+                    await msg.nak(delay=min(5.0, 0.5 * attempt))  # run it again once the engine is back
+                    return
+                body = Failure(
+                    error=f"the sampling engine was unreachable for {waited:.0f}s: {type(exc).__name__}: {exc}",
+                    category="server",
+                )
             result = RequestResult(
                 kind="sample",
                 body=body,
@@ -107,9 +124,9 @@ class SampleRunner:
                 at_ns=now_ns(),
                 traceparent=job.traceparent,
             )
-            await self.gateway.bus.publish(
+            await self.gateway.bus.publish_once(
                 s.result_subject(job.request_id), codec.pack(result), msg_id=job.request_id
-            )
+            )  # a job that ran twice (redelivered) still has one result: the first
             await msg.ack()
             if msg.metadata.num_delivered > 1:  # a replica that died waiting may have left a record
                 await self._resumed(job)
@@ -150,6 +167,8 @@ class SampleRunner:
         except sglang.EngineError as exc:
             category = "user" if exc.status == 400 else "server"
             return Failure(error=f"sampling engine refused the request: {exc}", category=category)
+        except httpx.TransportError:
+            raise  # transient: the job is delivered again (see _handle)
         except Exception as exc:
             log.exception("sample %s failed", job.request_id)
             return Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")

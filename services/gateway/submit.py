@@ -1,13 +1,22 @@
-"""Appending an accepted training command to its model's stream, exactly once per (model, seq_id).
+"""Appending an accepted command exactly once per SDK coordinate: `claim_and_append`.
 
-The identity table (KV `tinker_seq`) is claimed with a create-only write before the append:
-- a new (model, seq_id) is claimed, then its command is appended;
+One protocol for training commands ((model, seq_id) in KV `tinker_seq`, appended to the model's
+request subject) and sample jobs ((sampler, seq_id) in `tinker_sample_seq`, appended to the sample
+work queue). The identity is claimed with a create-only write before the append:
+- admission is decided first (429 before anything is claimed or held);
+- a new identity is claimed; only the call that made the claim holds admission resources
+  (requests in flight, sampling permits), taken before the append (the result may beat the ack);
+- the append is made; if it fails, what this call holds is given back and the error reaches the
+  client, whose retry finds the claim and appends again;
 - an identical retry finds its own claim (same fingerprint) and gets the same request id; the
-  append is repeated, which JetStream's `Nats-Msg-Id` dedupe (or the planner's seq dedupe) drops,
-  closing the window where a gateway died between claim and append;
-- the same (model, seq_id) with different content is 422;
-- content the gateway refuses still consumes its seq_id (a `Rejected` command is appended), so a
-  later seq_id never waits on it, and the client gets the 400 — the same 400 on every retry.
+  append is repeated (unless the result already exists), closing the window where a gateway died
+  between claim and append. The repeat has no second effect: JetStream's `Nats-Msg-Id` dedupe
+  drops it within the duplicate window, and past it the planner's seq dedupe (training) or the
+  sample runner's result check and conditional result append (sampling) do;
+- the same identity with different content is 422;
+- training content the gateway refuses still consumes its seq_id (a `Rejected` command is
+  appended), so a later seq_id never waits on it, and the client gets the 400 — the same 400 on
+  every retry.
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
 from infra import tracing
+from infra.faults import crash_point
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -65,6 +76,92 @@ def check_seq(seq_id: int | None, first: int = 1) -> int:
     return seq_id
 
 
+class Reservation(Protocol):
+    """What a new claim holds from the gateway's admission control, and how it is given back."""
+
+    def reserve(self) -> None:
+        """Before claiming: raise Overloaded (429), or take what the request needs."""
+
+    def cancel(self) -> None:
+        """The claim was not made by this call (a concurrent retry won, or the write failed)."""
+
+    def commit(self, claim: SeqClaim) -> None:
+        """This call made `claim`: hold the resources until the request's result is appended."""
+
+    def rollback(self) -> None:
+        """The append after `commit` failed: give back what `commit` holds."""
+
+
+async def claim_and_append(
+    gateway: Gateway,
+    bucket: str,
+    key: str,
+    claim: SeqClaim,
+    reservation: Reservation,
+    publish: Callable[[SeqClaim], Awaitable[object]],
+    conflict: Callable[[SeqClaim], TinkerError],
+    answered: Callable[[], Awaitable[bool]] | None = None,
+    fault_point: str = "gateway.claimed",
+) -> tuple[SeqClaim, bool]:
+    """Claim `key` for `claim` and append (see the module docstring). Returns (the stored claim,
+    whether this call made it). `publish` appends given the stored claim; `answered` says the
+    request's result already exists (a retry then appends nothing)."""
+    existing = await gateway.store.get(bucket, key, SeqClaim)
+    fresh = False
+    if existing is None:
+        reservation.reserve()
+        try:
+            created, existing = await gateway.store.create(bucket, key, claim, SeqClaim)
+        except BaseException:
+            reservation.cancel()
+            raise
+        if created:
+            existing, fresh = claim, True
+        else:
+            reservation.cancel()
+    assert existing is not None
+    if existing.fingerprint != claim.fingerprint:
+        raise conflict(existing)
+    if not fresh and answered is not None and await answered():
+        return existing, False
+    if fresh:
+        reservation.commit(existing)
+    crash_point(fault_point)  # fault tests: die between the claim and the append
+    try:
+        await publish(existing)
+    except BaseException:
+        if fresh:
+            reservation.rollback()
+        raise
+    return existing, fresh
+
+
+class TrainingReservation:
+    """A training request counts against its model's queue depth and its tenant's in-flight
+    requests from its claim until its result; a refused one (a `Rejected`) counts nowhere."""
+
+    def __init__(self, gateway: Gateway, tenant: str, model_id: str, seq_id: int, request_id: str) -> None:
+        self.admission = gateway.admission
+        self.tenant, self.model_id, self.seq_id, self.request_id = tenant, model_id, seq_id, request_id
+        self.held = False
+
+    def reserve(self) -> None:
+        self.admission.check_training(self.tenant, self.model_id, self.seq_id)
+
+    def cancel(self) -> None:
+        pass  # the check takes nothing
+
+    def commit(self, claim: SeqClaim) -> None:
+        if claim.error is None:
+            self.admission.admitted(self.tenant, self.model_id, self.seq_id, self.request_id)
+            self.held = True
+
+    def rollback(self) -> None:
+        if self.held:
+            self.admission.finished(self.tenant, self.model_id, self.request_id)
+            self.held = False
+
+
 async def append(
     gateway: Gateway,
     tenant: Tenant,
@@ -81,52 +178,52 @@ async def append(
     seq_id, and Overloaded (before claiming anything) when the model or tenant is at its limit.
     """
     request_id = request_id_for(model_id, seq_id)
-    key = s.seq_key(model_id, seq_id)
-    existing = await gateway.store.get(s.KV_SEQ, key, SeqClaim)
-    fresh = False  # this call made the claim (a retry finds it already made)
-    if existing is None:
-        gateway.admission.check_training(tenant.id, model_id, seq_id)
-        claim = SeqClaim(
-            request_id=request_id,
-            fingerprint=digest,
-            kind=kind,
-            tenant=tenant.id,
-            accepted_ns=now_ns(),
-            error=refused.message if refused else None,
-            status=refused.status if refused else 200,
-        )
-        created, existing = await gateway.store.create(s.KV_SEQ, key, claim, SeqClaim)
-        if created:
-            existing, fresh = claim, True
-    assert existing is not None
-    if existing.fingerprint != digest:
-        raise Conflict(
-            f"seq_id {seq_id} of model {model_id} was already used for a different {existing.kind} request; "
-            "a retry must resend the same content (use the next seq_id for new work)"
-        )
     traceparent = tracing.current_traceparent()
-    envelope: dict[str, object] = {
-        "tenant": tenant.id,
-        "request_id": request_id,
-        "at_ns": existing.accepted_ns,
-        "traceparent": traceparent,
-    }
-    to_append: ModelCommand
-    if existing.error is not None or command is None:
-        existing = msgspec.structs.replace(existing, error=existing.error or "request refused")
-        to_append = Rejected(kind=kind, error=existing.error, model_id=model_id, seq_id=seq_id, **envelope)  # type: ignore[arg-type]
-    else:
-        to_append = msgspec.structs.replace(command, **envelope)
-    if fresh and existing.error is None:  # counted before the append: the result may beat the ack
-        gateway.admission.admitted(tenant.id, model_id, seq_id, request_id)
-    try:
+    claim = SeqClaim(
+        request_id=request_id,
+        fingerprint=digest,
+        kind=kind,
+        tenant=tenant.id,
+        accepted_ns=now_ns(),
+        error=refused.message if refused else None,
+        status=refused.status if refused else 200,
+    )
+
+    async def publish(stored: SeqClaim) -> None:
+        envelope: dict[str, object] = {
+            "tenant": tenant.id,
+            "request_id": request_id,
+            "at_ns": stored.accepted_ns,
+            "traceparent": traceparent,
+        }
+        to_append: ModelCommand
+        if stored.error is not None or command is None:
+            error = stored.error or "request refused"
+            to_append = Rejected(kind=kind, error=error, model_id=model_id, seq_id=seq_id, **envelope)  # type: ignore[arg-type]
+        else:
+            to_append = msgspec.structs.replace(command, **envelope)
         await gateway.bus.publish(
             s.request_subject(model_id), codec.pack(to_append), msg_id=request_id, traceparent=traceparent
         )
-    except BaseException:
-        if fresh:
-            gateway.admission.finished(tenant.id, model_id, request_id)
-        raise
+
+    def conflict(stored: SeqClaim) -> TinkerError:
+        return Conflict(
+            f"seq_id {seq_id} of model {model_id} was already used for a different {stored.kind} request; "
+            "a retry must resend the same content (use the next seq_id for new work)"
+        )
+
+    existing, fresh = await claim_and_append(
+        gateway,
+        s.KV_SEQ,
+        s.seq_key(model_id, seq_id),
+        claim,
+        TrainingReservation(gateway, tenant.id, model_id, seq_id, request_id),
+        publish,
+        conflict,
+        fault_point="gateway.command_claimed",
+    )
+    if existing.error is None and command is None:
+        existing = msgspec.structs.replace(existing, error="request refused")
     if existing.error is not None:
         gateway.metrics.rejected[kind] += fresh
         _emit(

@@ -22,6 +22,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.faults import crash_point
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -153,6 +154,7 @@ class PlannerService:
                     self._positions, requests=max(self._positions.requests, seq)
                 )
             await self._advance()
+            crash_point("planner.requests_planned")  # fault tests: units appended, requests not acked
             for msg in msgs:
                 await msg.ack()
 
@@ -165,6 +167,7 @@ class PlannerService:
                     self._positions, outcomes=max(self._positions.outcomes, seq)
                 )
             await self._advance()
+            crash_point("planner.outcomes_folded")  # fault tests: results appended, outcomes not acked
             for msg in msgs:
                 await msg.ack()
 
@@ -279,9 +282,11 @@ class PlannerService:
                 at_ns=now_ns(),
                 traceparent=cmd.traceparent,
             )
-            await self.bus.publish(
+            crash_point("planner.result_publishing")  # fault tests: die with results half-published
+            if not await self.bus.publish_once(
                 s.result_subject(cmd.request_id), codec.pack(result), msg_id=cmd.request_id
-            )
+            ):
+                continue  # published before a crash: a replay's completion has no second effect
             duration_ms = (now_ns() - cmd.at_ns) / 1e6 if cmd.at_ns else 0.0
             if isinstance(done.body, Failure):
                 event: RequestCompleted | RequestFailed = RequestFailed(

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
-from infra.bus import Bus, ensure_durable, fetch_loop
+from infra.bus import Bus, ensure_durable, fetch_loop, has_message
 from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.contracts import codec
@@ -85,17 +85,33 @@ class PublisherService:
     async def _on_messages(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             publish = codec.publish_decoder.decode(msg.data)
+            if await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id)):
+                # Answered already: a redelivery, or a trainer that redid the save after a crash.
+                # Redoing it could switch a name back to an older version: only ack it.
+                shutil.rmtree(publish.staging_dir, ignore_errors=True)
+                await msg.ack()
+                continue
             try:
                 with tracing.span(
                     "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
                 ):
                     body = await self.publish(publish)
+            except OSError as exc:  # a full disk: the writer removed its temporary directory
+                log.exception("publishing %s failed", publish.request_id)
+                shutil.rmtree(publish.staging_dir, ignore_errors=True)  # this publication is over
+                kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
+                body = Failure(
+                    error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
+                    f"nothing was published{kept}. Free disk space on the server, then save again",
+                    category="server",
+                )
             except Exception as exc:
                 log.exception("publishing %s failed", publish.request_id)
                 body = Failure(
                     error=f"publishing the snapshot failed: {type(exc).__name__}: {exc}", category="server"
                 )
             await self._answer(publish, body)
+            crash_point("publisher.answered")  # fault tests: result appended, publication not acked
             await msg.ack()
 
     async def publish(self, p: PublishSnapshot) -> ResultBody:
@@ -180,7 +196,8 @@ class PublisherService:
             at_ns=now_ns(),
             traceparent=p.traceparent,
         )
-        await self.bus.publish(s.result_subject(p.request_id), codec.pack(result), msg_id=p.request_id)
+        if not await self.bus.publish_once(s.result_subject(p.request_id), codec.pack(result), msg_id=p.request_id):
+            return  # answered before (a redelivered or repeated publication)
         if isinstance(body, Failure):
             await self.bus.emit(
                 RequestFailed(

@@ -16,6 +16,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import ValidationException
 
+from infra.faults import crash_point
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine
 from services.sampler.interface import Engine, RequestError, SequenceRequest
@@ -53,6 +54,7 @@ async def generate(data: GenerateReqInput, state: State) -> GenerateOutput | lis
     engine = _engine(state)
     planned, as_list = to_sequences(data)
     results = await engine.generate([p.sequence for p in planned])
+    crash_point("sampler.generated")  # fault tests: die mid-request, the answer never sent
     texts = engine.token_texts if data.return_text_in_logprobs else None
     outputs = [to_output(p, r, texts) for p, r in zip(planned, results, strict=True)]
     return outputs if as_list else outputs[0]

@@ -28,6 +28,13 @@ Packed batches: the engine sets ``SlotRouting.segments``, contiguous token range
 each (datums are sorted by slot before packing).  Every adapter computes its update per
 segment with that slot's tensors; the base model runs once for the whole stream.
 
+Tenant isolation: no arithmetic ever combines one slot's values with another slot's tokens.
+A token's update is computed from its own slot's tensors only (per segment, or one grouped
+matmul whose groups are the segments), never by computing every slot for every token and
+masking: ``0 * inf`` is NaN, so a mask lets one tenant whose loss overflows turn every co-packed
+tenant's gradients into NaN.  A slot's gradients are therefore bit-identical whatever the other
+slots of the batch hold (``services/trainer/tests/test_isolation.py``).
+
 Invariant: adapters attach to the model by forward hooks and live in ``AdapterPool`` (never in
 the model's own parameters); a slot that is not initialised, and a module its config disables,
 contribute exactly nothing and receive no gradient.
@@ -130,27 +137,82 @@ class SlotRouting:
     def __init__(self) -> None:
         self.segments: list[Segment] = []
         self.configs: dict[int, SlotConfig] = {}
-        self.stacked = False  # several slots at once: stacked kernels (GPU) or per-segment (CPU)
-        self._masks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._masks_for: list[Segment] | None = None
+        self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
+        self._groups: dict[tuple[Any, ...], GroupLayout] = {}
+        self._groups_for: list[Segment] | None = None
 
-    def slot_mask(
-        self, group: str, slots: list[int], active: list[Segment], x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [T, S] token-to-slot mask (holding each slot's scaling) and the [S] slot index.
+    def group_layout(self, group: str, x: torch.Tensor) -> GroupLayout:
+        """Every segment as one group of a grouped matmul, for the adapters of ``group``.
 
-        Built once per forward and group on the host and copied to the device once, so the
-        adapters of every layer reuse it with no host round trip.
+        Built once per forward and module group on the host and copied to the device once, so
+        the adapters of every layer reuse it with no host round trip.
         """
-        if self._masks_for is not self.segments:
-            self._masks, self._masks_for = {}, self.segments
-        key = (group, x.device, x.dtype)
-        if key not in self._masks:
-            mask = torch.zeros(x.shape[0], len(slots))
-            for seg in active:
-                mask[seg.start : seg.end, slots.index(seg.slot)] = self.configs[seg.slot].scaling
-            self._masks[key] = (mask.to(x.device, x.dtype), torch.tensor(slots, device=x.device))
-        return self._masks[key]
+        if self._groups_for is not self.segments:
+            self._groups, self._groups_for = {}, self.segments
+        key = (group, x.device)
+        if key not in self._groups:
+            slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
+            weight = [
+                slots.index(seg.slot) if self.configs[seg.slot].trains(group) else len(slots)
+                for seg in self.segments
+            ]  # len(slots): the all-zero entry
+            self._groups[key] = GroupLayout(
+                slots=torch.tensor(slots, device=x.device),
+                scale=torch.tensor([self.configs[s].scaling for s in slots], device=x.device),
+                rank=max(self.configs[s].rank for s in slots),
+                weight=torch.tensor(weight, device=x.device),
+                offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
+            )
+        return self._groups[key]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The grouped-matmul layout of one forward for one module group.
+
+    Segment ``g`` of the packed stream ends at row ``offsets[g]`` and uses stacked weight
+    ``weight[g]``: an index into ``slots`` (the slots that train this module, with their
+    ``alpha/rank`` in ``scale``), or ``len(slots)``, an all-zero entry, for a slot that does not.
+    """
+
+    slots: torch.Tensor  # [S] int64
+    scale: torch.Tensor  # [S] float32
+    rank: int  # the largest rank among `slots`
+    weight: torch.Tensor  # [G] int64
+    offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
+
+
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for ``x``'s device and dtype (checked once each).
+
+    It runs on CPU for any float dtype, and on CUDA for bf16 on SM90+ with alignment rules. A
+    small forward and backward with uneven groups is tried once per (device type, dtype); where
+    it raises or disagrees with the plain per-group products, the per-segment path is used.
+    """
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_OK:
+        _GROUPED_OK[key] = hasattr(torch, "_grouped_mm") and _probe_grouped_mm(x.device, x.dtype)
+    return _GROUPED_OK[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 9):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 8, 16, generator=gen).to(device, dtype).requires_grad_()  # [G, r, in]
+        offsets = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)  # an empty group too
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        y.backward(torch.ones_like(y))
+        ref = torch.cat([x[:5] @ w[0].t(), x[5:13] @ w[2].t()])
+        tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+        return bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max())))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class SlotAdapter(nn.Module):
@@ -169,14 +231,12 @@ class SlotAdapter(nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
 
-        With S slots active in this forward, their adapters are used side by side:
-        ``h = x @ [A_1; ..; A_S]^T`` gives every token all S projections of rank r (the largest
-        active rank; [T, S*r]); a [T, S] mask keeps only the token's own slot's block, scaled by
-        that slot's alpha/rank; then ``h @ [B_1 .. B_S]^T``. Rows and columns past a slot's rank
-        are zero, so smaller ranks are exact. This costs S times the (small) LoRA FLOPs but a
-        fixed number of kernels however many tenants share the batch (measured on the H200: 8
-        tenants at 0.93-0.95 of one tenant's throughput); one slot takes a plain path. On a CPU
-        the extra FLOPs are not free: see docs/benchmarks.md.
+        One slot covering the whole batch takes a plain path. Several slots: with
+        ``routing.stacked`` (the GPU default) one grouped matmul per projection whose groups are
+        the segments (``torch._grouped_mm``): a fixed number of kernels however many tenants
+        share the batch, and exactly each slot's own FLOPs; otherwise (the CPU default, or where
+        grouped matmuls are not available) one small matmul per segment.  Either way a token
+        only ever meets its own slot's tensors (see the module docstring on isolation).
         """
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
@@ -199,16 +259,33 @@ class SlotAdapter(nn.Module):
             a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
             b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
             return region((x @ a.t()) * cfg.scaling) @ b.t()  # [T, 1, out]
-        if not routing.stacked:
-            return self._per_segment(x, region)
-        mask, index = routing.slot_mask(group, slots, active, x)  # [T, S], [S]
-        # Only the largest active rank is needed: every slot's rows/columns past its rank are zero.
-        n, r = len(slots), max(routing.configs[slot].rank for slot in slots)
-        a = self.lora_A[:, :r].index_select(0, index).to(x.dtype).reshape(n * r, -1)  # [S*r, in]
-        h = region(x @ a.t())  # [T, 1, S*r]
-        h = (h.view(-1, 1, n, r) * mask.view(-1, 1, n, 1)).view(-1, 1, n * r)  # own block only, scaled
-        b = self.lora_B[:, :, :r].index_select(0, index).to(x.dtype)  # [S, out, r]
-        return h @ b.permute(1, 0, 2).reshape(b.shape[1], n * r).t()  # [T, 1, out]
+        if routing.stacked and grouped_mm_supported(x):
+            return self._grouped(x, region)
+        return self._per_segment(x, region)
+
+    def _grouped(self, x: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Both projections as grouped matmuls over the segments (one kernel each).
+
+        Only the largest active rank is used (every slot's rows/columns past its rank are zero),
+        rounded up to a multiple of 8 on CUDA (the kernel's 16-byte alignment; the padding is
+        zeros). Each slot's ``alpha/rank`` scales its ``B`` (finite weights times a finite
+        number), never the activations, so nothing multiplies another slot's values.
+        """
+        layout = self.routing.group_layout(self.target.group, x)
+        r = layout.rank
+        pad = (-r) % 8 if x.device.type == "cuda" else 0
+        a = self.lora_A[:, :r].index_select(0, layout.slots).to(x.dtype)  # [S, r, in]
+        b = self.lora_B[:, :, :r].index_select(0, layout.slots).to(x.dtype)  # [S, out, r]
+        b = b * layout.scale.to(x.dtype).view(-1, 1, 1)
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, r', in]
+        b = torch.nn.functional.pad(b, (0, pad))  # [S, out, r']
+        a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, r', in]
+        b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, r']
+        rows = x.reshape(x.shape[0], x.shape[-1])  # [T, in]
+        h = torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets)  # [T, r']
+        h = region(h.unsqueeze(1)).squeeze(1)  # [T, r']
+        out = torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets)  # [T, out]
+        return out.unsqueeze(1)  # [T, 1, out]
 
     def _per_segment(self, x: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Each slot's segment through its own adapter: exact LoRA FLOPs, but kernels per segment.

@@ -11,10 +11,14 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
     step += 1
     p *= 1 - lr*wd;  m = lerp(m, g, 1-b1);  v = b2*v + (1-b2)*g*g
     p -= lr/(1-b1^step) * m / (sqrt(v)/sqrt(1-b2^step) + eps)
+    if any of p, m, v is now not finite (a finite gradient whose square overflows, an extreme
+    learning rate or weight decay): put p, m, v and step back as they were, zero the grads,
+    report applied=False
 
 Invariant: a step touches only the requested slot's parameter rows, moments and counter,
-and always leaves that slot's gradients zero; every TP rank takes the same decision because
-the norm is all-reduced before it is tested.
+and always leaves that slot's gradients zero; a slot's parameters and moments are always
+finite after it; every TP rank takes the same decisions because the norm and the finiteness
+count are all-reduced before they are tested.
 """
 
 from __future__ import annotations
@@ -86,26 +90,68 @@ class SlotAdamW:
                     g.mul_(coef)
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
-        bias1 = 1 - hp.beta1**step
-        bias2_sqrt = (1 - hp.beta2**step) ** 0.5
-        step_size = hp.learning_rate / bias1
         params = [t.value() for t in tensors]
         grads_ = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
         exp_avg, exp_avg_sq = zip(*(self.moments(t) for t in tensors), strict=True) if tensors else ((), ())
+        state = [*params, *exp_avg, *exp_avg_sq]
         with torch.no_grad():
-            # The same elementwise math as torch.optim.AdamW, as one kernel per op for all of the
-            # slot's tensors (`_foreach_*`) instead of one per tensor: a few launches, not hundreds.
-            if hp.weight_decay != 0:
-                torch._foreach_mul_(params, 1 - hp.learning_rate * hp.weight_decay)
-            torch._foreach_lerp_(list(exp_avg), grads_, 1 - hp.beta1)
-            torch._foreach_mul_(list(exp_avg_sq), hp.beta2)
-            torch._foreach_addcmul_(list(exp_avg_sq), grads_, grads_, value=1 - hp.beta2)
-            denom = torch._foreach_sqrt(list(exp_avg_sq))
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, hp.eps)
-            torch._foreach_addcdiv_(params, list(exp_avg), denom, value=-step_size)
+            before = [t.clone() for t in state]  # to roll back a step that leaves non-finite values
+            try:
+                self._update(params, grads_, list(exp_avg), list(exp_avg_sq), hp, step)
+                problem = None if all_finite(state, tensors) else "would have left non-finite weights or moments"
+            except RuntimeError as exc:  # e.g. a learning rate whose bias-corrected step overflows
+                problem = f"could not be computed ({exc})"
+            if problem is not None:
+                torch._foreach_copy_(state, before)
+                if step > 1:
+                    self.steps[slot] = step - 1
+                else:
+                    del self.steps[slot]
+                zero_grads(tensors)
+                return StepReport(
+                    False,
+                    norm,
+                    step - 1,
+                    f"the step {problem} (gradient norm {norm:.3g}, learning_rate {hp.learning_rate:g}); "
+                    "it was rolled back",
+                )
         zero_grads(tensors)
         return StepReport(True, norm, step)
+
+    @staticmethod
+    def _update(
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avg: list[torch.Tensor],
+        exp_avg_sq: list[torch.Tensor],
+        hp: AdamParams,
+        step: int,
+    ) -> None:
+        """The same elementwise math as torch.optim.AdamW, as one kernel per op for all of the
+        slot's tensors (`_foreach_*`) instead of one per tensor: a few launches, not hundreds."""
+        bias1 = 1 - hp.beta1**step
+        bias2_sqrt = (1 - hp.beta2**step) ** 0.5
+        step_size = hp.learning_rate / bias1
+        if hp.weight_decay != 0:
+            torch._foreach_mul_(params, 1 - hp.learning_rate * hp.weight_decay)
+        torch._foreach_lerp_(exp_avg, grads, 1 - hp.beta1)
+        torch._foreach_mul_(exp_avg_sq, hp.beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - hp.beta2)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, hp.eps)
+        torch._foreach_addcdiv_(params, exp_avg, denom, value=-step_size)
+
+
+def all_finite(values: list[torch.Tensor], tensors: list[SlotTensor]) -> bool:
+    """True when every element of ``values`` is finite, on every TP rank (one reduction)."""
+    device = tensors[0].param.device if tensors else torch.device("cpu")
+    if not values:
+        return True
+    peaks = torch.stack(torch._foreach_norm(values, float("inf")))  # max |x|: NaN or inf if any is
+    bad = (~torch.isfinite(peaks)).sum().to(torch.float64).to(device)
+    tp_all_reduce_sum(bad)
+    return float(bad) == 0.0
 
 
 def grad_norm(tensors: list[SlotTensor]) -> float:

@@ -26,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
 from libs.contracts import codec
@@ -57,6 +58,7 @@ from services.trainer.state_io import peft_files, read_training_state, training_
 log = logging.getLogger("tinkerd.trainer")
 
 HANDOFF = "handoff"  # OpOutcome.info key: the publisher answers this request
+WEDGED_EXIT_CODE = 70  # a unit outlived unit_timeout_s
 
 
 def default_seed(model_id: str) -> int:
@@ -112,10 +114,12 @@ class TrainerService:
             self.bus, s.STREAM_OUTCOMES, s.outcome_subject(self.config.group), outcomes_last, on_outcome
         )
         units: list[tuple[int, Unit]] = []
+        seen: set[str] = set()
 
         def on_unit(msg: Msg) -> None:
             unit = codec.unit_decoder.decode(msg.data)
-            if unit.unit_id in self.completed:
+            if unit.unit_id in self.completed and unit.unit_id not in seen:
+                seen.add(unit.unit_id)  # a unit appended twice (a late redelivery) ran once
                 units.append((msg.metadata.sequence.stream, unit))
 
         work_last = await last_seq(self.bus, s.STREAM_WORK)
@@ -163,7 +167,7 @@ class TrainerService:
                 with tracing.span(
                     "trainer.execute", unit.traceparent, unit_id=unit.unit_id, trainer=self.trainer_id
                 ) as ctx:
-                    outcome, publishes = await asyncio.to_thread(self.execute, unit, False)
+                    outcome, publishes = await self._run_with_watchdog(unit)
             finally:
                 working.cancel()
             publishes = [msgspec.structs.replace(p, traceparent=ctx) for p in publishes]
@@ -171,9 +175,12 @@ class TrainerService:
                 await self.bus.publish(
                     s.publish_subject(publish.model_id), codec.pack(publish), msg_id=publish.request_id
                 )
+            if publishes:
+                crash_point("trainer.save_handed_off")  # fault tests: published, no outcome yet
             await self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
+            crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             self.completed.add(unit.unit_id)
             await msg.ack()
             self.last_work_seq = seq
@@ -191,19 +198,44 @@ class TrainerService:
                 )
             )
 
+    async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PublishSnapshot]]:
+        """Execute in a worker thread; a unit that outlives `unit_timeout_s` ends the process.
+
+        A wedged compute thread cannot be cancelled, and the event loop would go on reporting
+        progress for it forever. Exiting hands the unit back: the supervisor restarts the
+        trainer, which rebuilds its state and gets the unacknowledged unit again.
+        """
+        work = asyncio.ensure_future(asyncio.to_thread(self.execute, unit, False))
+        done, _ = await asyncio.wait([work], timeout=self.config.unit_timeout_s)
+        if not done:
+            log.error(
+                "unit %s is still running after %.0f s (unit_timeout_s): the trainer is wedged; "
+                "exiting so that it is restarted and the unit delivered again",
+                unit.unit_id,
+                self.config.unit_timeout_s,
+            )
+            logging.shutdown()
+            os._exit(WEDGED_EXIT_CODE)
+        return work.result()
+
     async def _maybe_snapshot(self) -> None:
         due_steps = self.steps_since_snapshot >= self.config.snapshot_every_steps
         due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
         if not (due_steps or (due_time and self.steps_since_snapshot)):
             return
-        await asyncio.to_thread(
-            trainer_snapshots.take,
-            self.engine,
-            dict(self.slot_models),
-            self.data_dir,
-            self.config.group,
-            self.last_work_seq,
-        )
+        try:
+            await asyncio.to_thread(
+                trainer_snapshots.take,
+                self.engine,
+                dict(self.slot_models),
+                self.data_dir,
+                self.config.group,
+                self.last_work_seq,
+            )
+        except OSError as exc:  # a full disk: recovery replays from the previous snapshot instead
+            log.warning("could not write an internal snapshot (%s); training goes on without it", exc)
+            self.last_snapshot_at = time.monotonic()
+            return
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
         self.snapshot_work_seq, self.snapshot_ns = self.last_work_seq, now_ns()
@@ -238,6 +270,8 @@ class TrainerService:
     # --- execution (runs in a worker thread; pure function of the unit and slot state) --------
     def execute(self, unit: Unit, replaying: bool) -> tuple[Outcome, list[PublishSnapshot]]:
         started = now_ns()
+        if not replaying:
+            crash_point("trainer.executing")  # fault tests: killed or wedged mid-unit
         if isinstance(unit, WorkUnit):
             return self._work(unit, started), []
         return self._barrier(unit, replaying, started)
@@ -320,7 +354,7 @@ class TrainerService:
                         model_id=op.model_id,
                         request_id=op.request_id,
                         ok=False,
-                        error=str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}",
+                        error=str(exc) if isinstance(exc, (UserError, StorageError)) else f"{type(exc).__name__}: {exc}",
                         category="user" if isinstance(exc, UserError) else "server",
                     ),
                     None,
@@ -455,7 +489,16 @@ class TrainerService:
             )
             files = peft_files(tensors, adapter_config, snapshot_meta)
             kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
-        layout.write_dir_atomically(staging, files)
+        try:
+            layout.write_dir_atomically(staging, files)
+        except OSError as exc:
+            what = "save_state" if isinstance(op, SaveSlot) else "save_weights_for_sampler"
+            kept = f"; {op.tinker_path} still holds its previous version" if op.tinker_path else ""
+            raise StorageError(
+                f"{what} failed: the server could not write the checkpoint files "
+                f"({exc.strerror or exc}); nothing was saved{kept}. Free disk space on the server, "
+                "then save again"
+            ) from exc
         publish = PublishSnapshot(
             kind=kind,
             staging_dir=str(staging),
@@ -477,6 +520,10 @@ class TrainerService:
 
 class UserError(Exception):
     pass
+
+
+class StorageError(Exception):
+    """The data directory refused a write (a full disk, ...): a server error with a clear text."""
 
 
 def raise_user(message: str) -> None:

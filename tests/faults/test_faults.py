@@ -1,10 +1,18 @@
-"""Fault tests: kill -9 each part of the stack under a multi-tenant SDK workload.
+"""Fault tests: kill -9, hang and starve each part of the stack under a multi-tenant SDK workload.
 
-Pass criteria, for every scenario:
-- every SDK call completes, with no error the user has to handle (the SDK's own retries suffice);
-- every future resolves exactly once (no result is ever appended twice to the results stream);
-- each tenant's final checkpoint (adapter, AdamW moments, step counter) is bit-identical (CPU fp32)
-  to the recorded plan executed once by a fresh, uninterrupted trainer.
+Pass criteria, for every scenario (`check`):
+- every SDK call completes, once, with no error the user has to handle (the SDK's own retries
+  suffice), and none stalls;
+- every tenant's results, call for call, and its final checkpoint (adapter, AdamW moments, step)
+  are bit-identical (CPU fp32) to the independent reference: the same seeded workload run once,
+  without any fault, on a stack of its own (`conftest.reference`);
+- nothing was applied twice: no result appended twice, no unit planned twice, no unit run (and
+  reported) twice — with a duplicate window of 1.5 s, so JetStream's dedupe hides nothing: every
+  restart and redelivery below comes after it;
+- every fault the scenario names actually fired.
+
+Faults are fault points (`infra/faults.py`: the process kills itself with SIGKILL, or wedges, at
+an exact place in its work) or external signals timed by operation events.
 """
 
 from __future__ import annotations
@@ -15,113 +23,163 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.workload import (
-    STEPS,
-    TENANTS,
-    EventTrigger,
-    checkpoint_digests,
-    clean_replay_digests,
-    results_published_once,
-    run_workload,
-)
+from infra.faults import fired
+from infra.supervisor import NATS
+from tests.faults.conftest import FAULT_ENV
+from tests.faults.workload import EventTrigger, TenantRun, differences, exactly_once, run_workload
 from tests.harness import Stack
 
+READY_S = 240.0
 
-def check_run(stack: Stack, trigger: EventTrigger | None = None) -> None:
-    runs = run_workload(stack.base_url)
-    if trigger is not None:
-        trigger.stop()
-        assert trigger.fired.is_set(), f"the fault never fired (events seen: {dict(trigger.counts)})"
+Action = Callable[[Stack], None]
+
+
+def check(stack: Stack, runs: list[TenantRun], reference: dict[int, TenantRun], injected: set[tuple[str, int]]) -> None:
+    stalled = [(r.tenant, r.stalled) for r in runs if r.stalled]
+    assert not stalled, f"stalled calls: {stalled}\n{stack.dump_logs()}"
     errors = [(r.tenant, repr(r.error)) for r in runs if r.error is not None]
     assert not errors, f"{errors}\n{stack.dump_logs()}"
-    assert all(r.samples == 1 for r in runs)
-
-    appended, kept = asyncio.run(results_published_once(stack.nats_url))
-    assert appended == kept, "a future's result was appended more than once"
-
-    expected = clean_replay_digests(stack.data_dir, stack.nats_url)
-    assert len(expected) == TENANTS
-    for run in runs:
-        got = checkpoint_digests(stack.data_dir, run.final_path)
-        assert got["step"] == str(STEPS)
-        assert got == expected[run.model_id], f"tenant {run.tenant}: final state differs from the uninterrupted plan"
+    diff = differences(runs, reference)
+    assert not diff, "results differ from the fault-free reference:\n" + "\n".join(diff)
+    report = exactly_once(stack.nats_url, injected)
+    assert report.clean, f"something was applied twice: {report} (injected: {sorted(injected)})"
 
 
-def scenario(tmp_path: Path, kill: Callable[[Stack], Callable[[], None]] | None, kind: str = "", n: int = 0, env: dict[str, str] | None = None) -> None:
-    stack = Stack(tmp_path, env_overrides=env or {}).start()
+def scenario(
+    tmp_path: Path,
+    reference: dict[int, TenantRun],
+    points: tuple[str, ...] = (),
+    trigger: tuple[str, int, Action] | None = None,
+    env: dict[str, str] | None = None,
+    injected: set[tuple[str, int]] | None = None,
+) -> Stack:
+    """Run the workload on a fresh stack with these fault points and this event-timed action."""
+    fault_dir = tmp_path / "faults"
+    env = {
+        **FAULT_ENV,
+        "TINKERD_FAULT_POINTS": ",".join(points),
+        "TINKERD_FAULT_DIR": str(fault_dir),
+        **(env or {}),
+    }
+    stack = Stack(tmp_path / "stack", env_overrides=env).start()
     try:
-        trigger = EventTrigger(stack.nats_url, kind, n, kill(stack)).start() if kill else None
-        check_run(stack, trigger)
+        event = None
+        if trigger is not None:
+            kind, n, action = trigger
+            event = EventTrigger(stack.nats_url, kind, n, lambda: action(stack)).start()
+        runs = run_workload(stack.base_url, stack.data_dir)
+        if event is not None:
+            assert event.done.wait(READY_S), f"the fault never completed (events: {dict(event.counts)})"
+            event.stop()
+            if event.error is not None:
+                raise AssertionError(f"the fault's action failed: {event.error!r}") from event.error
+        for point in points:
+            assert fired(point, fault_dir), f"fault point {point} was never reached\n{stack.dump_logs()}"
+        check(stack, runs, reference, injected if injected is not None else set())
     finally:
         stack.stop()
+    return stack
 
 
-def kill_and_wait(service: str) -> Callable[[Stack], Callable[[], None]]:
-    def make(stack: Stack) -> Callable[[], None]:
-        def action() -> None:
-            ready = stack.kill(service)
-            assert ready.wait(240), f"{service} did not come back"
+def kill(service: str) -> Action:
+    def action(stack: Stack) -> None:
+        assert stack.kill(service).wait(READY_S), f"{service} did not come back"
 
-        return action
-
-    return make
+    return action
 
 
-def test_uninterrupted_run_matches_its_own_plan(tmp_path: Path) -> None:
-    """The control: with no fault, the checks hold (so a failure below is the fault's doing)."""
-    scenario(tmp_path, None)
+def test_a_second_fault_free_run_matches_the_reference(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The control: with no fault, a run on another stack matches the reference bit for bit and
+    applies nothing twice (so a failure below is the fault's doing)."""
+    scenario(tmp_path, reference)
 
 
-def test_trainer_killed_mid_window(tmp_path: Path) -> None:
-    # the 4th finished unit is inside the second window: forward_backward done, optim_step pending
-    scenario(tmp_path, kill_and_wait("trainer"), kind="unit_done", n=4, env={"TINKERD_TRAINER_SNAPSHOT_EVERY_STEPS": "2"})
+def test_trainer_killed_mid_window(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """kill -9 from outside after the 4th unit: forward_backward done, its optim_step pending."""
+    scenario(tmp_path, reference, trigger=("unit_done", 4, kill("trainer")))
 
 
-def test_planner_killed(tmp_path: Path) -> None:
-    scenario(tmp_path, kill_and_wait("planner"), kind="planned", n=5)
+def test_trainer_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The trainer dies mid-unit (computing), mid-write of a checkpoint file (its staging copy, or an
+    internal snapshot), after handing a save to the publisher but before its outcome, and after
+    appending an outcome but before acknowledging the unit."""
+    points = (
+        "trainer.executing@3",
+        "trainer.checkpoint_write@2",
+        "trainer.save_handed_off@1",
+        "trainer.outcome_published@6",
+    )
+    scenario(tmp_path, reference, points)
 
 
-def test_gateway_killed(tmp_path: Path) -> None:
-    scenario(tmp_path, kill_and_wait("gateway"), kind="accepted", n=6)
+def test_planner_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The planner dies after appending units but before acknowledging their requests, between
+    two results it publishes, and after publishing results but before acknowledging the outcomes."""
+    points = ("planner.requests_planned@4", "planner.result_publishing@5", "planner.outcomes_folded@7")
+    scenario(tmp_path, reference, points)
 
 
-def test_gateway_killed_mid_sample(tmp_path: Path) -> None:
-    """A gateway dies (SIGKILL) holding a sample job: another run of the job answers the same future."""
-    marker = tmp_path / "fault-fired"
-    env = {"TINKERD_FAULT_POINT": "gateway.sample_started", "TINKERD_FAULT_MARKER": str(marker)}
-    scenario(tmp_path / "stack", None, env=env)
-    assert marker.exists(), "the gateway never reached its fault point"
+def test_gateway_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The gateway dies between claiming a training seq_id and appending its command, between
+    claiming a sample and enqueueing its job (the SDK's retry reaches the restarted gateway, which
+    appends what the claim was for), and while holding a sample job (redelivered to a replica)."""
+    points = ("gateway.command_claimed@5", "gateway.sample_claimed@1", "gateway.sample_started@1")
+    scenario(tmp_path, reference, points)
 
 
-def test_publisher_killed_mid_write(tmp_path: Path) -> None:
-    """The publisher dies (SIGKILL) after writing a version directory, before switching the name."""
-    marker = tmp_path / "fault-fired"
-    env = {"TINKERD_FAULT_POINT": "publisher.version_written", "TINKERD_FAULT_MARKER": str(marker)}
-    scenario(tmp_path / "stack", None, env=env)
-    assert marker.exists(), "the publisher never reached its fault point"
+def test_publisher_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The publisher dies mid-copy of a checkpoint file, after writing a version before switching
+    the name, and after answering a save before acknowledging the publication."""
+    points = ("publisher.checkpoint_write@2", "publisher.version_written@1", "publisher.answered@2")
+    scenario(tmp_path, reference, points)
 
 
-def test_nats_server_restarted(tmp_path: Path) -> None:
-    def make(stack: Stack) -> Callable[[], None]:
-        return stack.restart_nats
-
-    scenario(tmp_path, make, kind="unit_done", n=5)
-
-
-def test_redelivered_messages_have_no_second_effect(tmp_path: Path) -> None:
-    """Mid-workload, the newest request, unit, outcome and publication are appended again (new
-    message ids, so JetStream's dedupe does not hide them): nothing is applied twice."""
-
-    def make(stack: Stack) -> Callable[[], None]:
-        def action() -> None:
-            asyncio.run(redeliver_latest(stack.nats_url))
-
-        return action
-
-    scenario(tmp_path, make, kind="unit_done", n=6)
+def test_sampler_killed_mid_sample(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The sampling engine dies after generating, before answering: the sample job is run again
+    once the engine is back, and the SDK gets its sample (no error)."""
+    scenario(tmp_path, reference, ("sampler.generated@1",))
 
 
-async def redeliver_latest(nats_url: str) -> None:
+def test_nats_server_killed_under_load(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """kill -9 of nats-server mid-workload: the supervisor restarts it on the same port and store,
+    every service reconnects or restarts, and the workload completes as if nothing happened."""
+    scenario(tmp_path, reference, trigger=("unit_done", 5, kill(NATS)))
+
+
+def test_a_hung_trainer_is_detected_and_restarted(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """The trainer hangs twice instead of dying: its compute thread wedges mid-unit (its watchdog
+    sees the unit outlive unit_timeout_s and exits), then the whole process freezes (SIGSTOP: the
+    supervisor sees its liveness file go stale and kills it). Each time it is restarted and the
+    unit is delivered again."""
+    env = {"TINKERD_TRAINER_UNIT_TIMEOUT_S": "15", "TINKERD_LIVENESS_TIMEOUT_S": "20"}
+
+    def freeze(stack: Stack) -> None:
+        assert stack.freeze("trainer").wait(READY_S), "a frozen trainer was not replaced"
+
+    stack = scenario(tmp_path, reference, ("trainer.executing@4:hang",), ("unit_done", 12, freeze), env)
+    log = "\n".join(stack.logs["trainer"])
+    assert "is still running after 15 s (unit_timeout_s)" in log and "exited with code 70" in log
+    assert "no sign of life" in log
+
+
+def test_redelivered_messages_have_no_second_effect(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
+    """Mid-workload, once the duplicate window has passed, the newest request, unit, outcome and
+    publication are appended again with their own message ids (JetStream accepts them: no dedupe),
+    then the trainer is restarted so that its replay meets the copied unit: nothing is applied twice."""
+    injected: set[tuple[str, int]] = set()
+
+    def action(stack: Stack) -> None:
+        asyncio.run(redeliver_latest(stack.nats_url, injected))
+        kill("trainer")(stack)
+
+    # after the first save was published, so that every stream has a newest message to copy
+    scenario(tmp_path, reference, trigger=("snapshot_published", 1, action), injected=injected)
+    assert len(injected) == 4
+
+
+async def redeliver_latest(nats_url: str, copies: set[tuple[str, int]]) -> None:
+    """Append again the newest message of each log stream, with its original Nats-Msg-Id, after
+    the duplicate window (the server says whether it took it as a duplicate: retried until not)."""
     from infra.bus import Bus
     from libs.contracts import subjects as s
 
@@ -129,11 +187,15 @@ async def redeliver_latest(nats_url: str) -> None:
     try:
         for stream in (s.STREAM_REQUESTS, s.STREAM_WORK, s.STREAM_OUTCOMES, s.STREAM_PUBLISH):
             info = await bus.js.stream_info(stream)
-            if info.state.messages == 0:
-                continue
             latest = await bus.js.get_msg(stream, info.state.last_seq)
-            assert latest.subject is not None and latest.data is not None
-            await bus.js.publish(latest.subject, latest.data, headers={"Nats-Msg-Id": f"again-{stream}-{latest.seq}"})
+            assert latest.subject is not None and latest.data is not None and latest.headers
+            msg_id = latest.headers["Nats-Msg-Id"]
+            while True:
+                ack = await bus.js.publish(latest.subject, latest.data, headers={"Nats-Msg-Id": msg_id})
+                if not ack.duplicate:
+                    copies.add((stream, ack.seq))
+                    break
+                await asyncio.sleep(0.25)  # inside the duplicate window: the server dropped it
     finally:
         await bus.close()
 

@@ -28,7 +28,7 @@ from services.gateway.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict
 from services.gateway.routes.bootstrap import owned_session
-from services.gateway.submit import fingerprint_json
+from services.gateway.submit import claim_and_append, fingerprint_json
 
 log = logging.getLogger("tinkerd.gateway.sampling")
 
@@ -146,43 +146,31 @@ def _engine_body(data: w.SampleRequest, prompt: np.ndarray, max_tokens: int) -> 
     }
 
 
-async def _claim(
-    gateway: Gateway, tenant: Tenant, key: str, request_id: str, digest: str, permits: int
-) -> tuple[bool, SeqClaim]:
-    """Claim (sampler, seq_id) with `permits` sampling permits: 429 before anything is claimed.
+class SamplingReservation:
+    """An accepted sample holds `permits` sampling permits (its num_samples) from its claim until
+    its result is appended (`Admission.finished`, called for every result on the stream)."""
 
-    Returns (created, the claim now stored). A new claim holds its permits until its result
-    is appended (`Admission.finished`); a claim a concurrent retry made first gives them back.
-    """
-    gateway.admission.acquire_sampling(permits)
-    claim = SeqClaim(
-        request_id=request_id, fingerprint=digest, kind="sample", tenant=tenant.id, accepted_ns=now_ns()
-    )
-    try:
-        created, stored = await gateway.store.create(s.KV_SAMPLE_SEQ, key, claim, SeqClaim)
-    except BaseException:
-        gateway.admission.release_sampling(permits)
-        raise
-    if created:
-        gateway.admission.hold_sampling(request_id, permits)
-    else:
-        gateway.admission.release_sampling(permits)
-    return created, stored
+    def __init__(self, gateway: Gateway, tenant: Tenant, sampler_id: str, request_id: str, permits: int) -> None:
+        self.admission = gateway.admission
+        self.tenant, self.sampler_id, self.request_id, self.permits = tenant.id, sampler_id, request_id, permits
+
+    def reserve(self) -> None:
+        self.admission.acquire_sampling(self.permits)  # 429 before anything is claimed
+
+    def cancel(self) -> None:
+        self.admission.release_sampling(self.permits)
+
+    def commit(self, claim: SeqClaim) -> None:
+        self.admission.hold_sampling(self.request_id, self.permits)
+
+    def rollback(self) -> None:
+        self.admission.finished(self.tenant, self.sampler_id, self.request_id)
 
 
-async def _enqueue(
-    gateway: Gateway,
-    tenant: Tenant,
-    sampler: SamplerRecord,
-    seq: int,
-    data: w.SampleRequest,
-    prompt: np.ndarray,
-    max_tokens: int,
-) -> None:
-    """Append the job to the shared work queue; any gateway replica runs it (see sample_runner)."""
-    gateway.metrics.accepted["sample"] += 1
-    request_id = f"{sampler.sampler_id}:{seq}"
-    job = SampleJob(
+def _sample_job(
+    tenant: Tenant, sampler: SamplerRecord, seq: int, data: w.SampleRequest, prompt: np.ndarray, max_tokens: int
+) -> SampleJob:
+    return SampleJob(
         sampler_id=sampler.sampler_id,
         engine_request=msgspec.json.encode(_engine_body(data, prompt, max_tokens)),
         num_samples=data.num_samples,
@@ -193,12 +181,11 @@ async def _enqueue(
         prompt_logprobs_last_n=data.prompt_logprobs_last_n,
         tenant=tenant.id,
         model_id=sampler.sampler_id,
-        request_id=request_id,
+        request_id=f"{sampler.sampler_id}:{seq}",
         seq_id=seq,
         at_ns=now_ns(),
         traceparent=tracing.current_traceparent(),
     )
-    await gateway.bus.publish(s.sample_subject(sampler.sampler_id), codec.pack(job), msg_id=request_id)
 
 
 @post("/api/v1/asample", status_code=200, operation_id="asample")
@@ -210,17 +197,40 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     if seq < 0:
         raise BadRequest(f"seq_id must be >= 0, got {seq}")
     prompt, max_tokens = _checked_prompt(data, gateway)
-    request_id, key = f"{sampler.sampler_id}:{seq}", s.seq_key(sampler.sampler_id, seq)
-    digest = fingerprint_json("sample", msgspec.to_builtins(data))
-    existing = await gateway.store.get(s.KV_SAMPLE_SEQ, key, SeqClaim)
-    if existing is None:
-        created, existing = await _claim(gateway, tenant, key, request_id, digest, data.num_samples)
-        if created:
-            await _enqueue(gateway, tenant, sampler, seq, data, prompt, max_tokens)
-    if existing.fingerprint != digest:
-        raise Conflict(
+    request_id = f"{sampler.sampler_id}:{seq}"
+    claim = SeqClaim(
+        request_id=request_id,
+        fingerprint=fingerprint_json("sample", msgspec.to_builtins(data)),
+        kind="sample",
+        tenant=tenant.id,
+        accepted_ns=now_ns(),
+    )
+    job = _sample_job(tenant, sampler, seq, data, prompt, max_tokens)
+
+    async def enqueue(_stored: SeqClaim) -> None:
+        """Onto the shared work queue; any gateway replica runs it (see sample_runner)."""
+        await gateway.bus.publish(s.sample_subject(sampler.sampler_id), codec.pack(job), msg_id=request_id)
+
+    async def answered() -> bool:
+        return await gateway.board.lookup(request_id) is not None
+
+    def conflict(_stored: SeqClaim) -> Conflict:
+        return Conflict(
             f"seq_id {seq} of sampler {sampler.sampler_id} was already used for a different sample request"
         )
+
+    _, fresh = await claim_and_append(
+        gateway,
+        s.KV_SAMPLE_SEQ,
+        s.seq_key(sampler.sampler_id, seq),
+        claim,
+        SamplingReservation(gateway, tenant, sampler.sampler_id, request_id, data.num_samples),
+        enqueue,
+        conflict,
+        answered,
+        fault_point="gateway.sample_claimed",
+    )
+    gateway.metrics.accepted["sample"] += fresh
     sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
     return w.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
 
