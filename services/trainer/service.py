@@ -33,6 +33,7 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import LoraSpec, now_ns
 from libs.contracts.events import ServiceEvent, UnitFinished, UnitStarted
+from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.records import TrainerStatus
 from libs.contracts.snapshots import PublishSnapshot
@@ -57,7 +58,6 @@ from services.trainer.state_io import peft_files, read_training_state, training_
 
 log = logging.getLogger("tinkerd.trainer")
 
-HANDOFF = "handoff"  # OpOutcome.info key: the publisher answers this request
 WEDGED_EXIT_CODE = 70  # a unit outlived unit_timeout_s
 
 
