@@ -562,10 +562,11 @@ def test_snapshot_plus_replay_equals_full_replay() -> None:
     snaps = live_snapshots(scenario)
     full = live.replayed()
     assert full.snapshot() == Planner.restore(full.snapshot()).snapshot()  # the encoding round-trips
+    expected = full_after(live)
     for after, snap in enumerate(snaps):
         for cut in range(after, len(live.history) + 1, 3):
             rebuilt = check_restart_at(live, cut, Planner.restore(snap), after)
-            assert rebuilt.snapshot() == full_after(live), f"snapshot {after}, cut {cut}"
+            assert rebuilt.snapshot() == expected, f"snapshot {after}, cut {cut}"
 
 
 def full_after(live: Sim) -> bytes:
