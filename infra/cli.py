@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.service not in SERVICES:
         raise SystemExit(f"unknown service {args.service!r}; choose from {SERVICES}")
-    os.environ["TINKERD_SERVICE"] = args.service  # names this process's fault points (infra/faults.py)
+    os.environ["TINKERD_SERVICE"] = args.service  # names this process's fault points (libs/faults.py)
     importlib.import_module(f"services.{args.service}.__main__").main()
     return 0
 

@@ -16,7 +16,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from infra.faults import crash_point, service_point
+from libs.faults import crash_point, service_point
 
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 

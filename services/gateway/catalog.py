@@ -16,9 +16,9 @@ import nats.errors
 
 from libs.checkpoints import layout
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, NotFound

@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 from litestar import Response
 
-from libs.contracts import tinker_proto as tp
-from libs.contracts import tinker_wire as w
 from libs.contracts.results import (
     Failure,
     ForwardBackwardResult,
@@ -15,6 +13,8 @@ from libs.contracts.results import (
     SampleResult,
     TopK,
 )
+from services.gateway import tinker_proto as tp
+from services.gateway import tinker_wire as w
 
 PROTOBUF = "application/x-protobuf"
 

@@ -24,13 +24,13 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from infra.faults import crash_point
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import QueueRecord, SamplerRecord
 from libs.contracts.results import Failure, RequestResult, ResultBody
 from libs.contracts.sampling import SampleJob
+from libs.faults import crash_point
 from services.gateway import sglang
 from services.gateway.context import Gateway
 from services.gateway.engines import Adapter

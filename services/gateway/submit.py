@@ -29,13 +29,13 @@ from typing import Protocol
 import msgspec
 
 from infra import tracing
-from infra.faults import crash_point
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestAccepted, RequestRejected
 from libs.contracts.records import ModelRecord, SeqClaim
 from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected, UnloadModel
+from libs.faults import crash_point
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from libs.contracts import tinker_proto as tp
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import BusDatum, BusTensor
+from libs.contracts.loss_specs import LOSS_SPECS, validate_loss_request
+from services.gateway import tinker_proto as tp
+from services.gateway import tinker_wire as w
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import BadRequest, PayloadTooLarge
-from services.trainer.loss_specs import LOSS_SPECS, validate_loss_request
 
 INT_INPUTS = frozenset({"target_tokens"})
 

@@ -22,7 +22,6 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
-from infra.faults import crash_point
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -31,6 +30,7 @@ from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import BarrierUnit, Unit, WorkUnit
+from libs.faults import crash_point
 from services.planner import snapshot
 from services.planner.config import PlannerConfig
 from services.planner.planner import (

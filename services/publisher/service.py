@@ -25,7 +25,6 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message
-from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -35,6 +34,7 @@ from libs.contracts.ids import TinkerPath
 from libs.contracts.records import CheckpointRecord, SamplerRecord
 from libs.contracts.results import Failure, JsonResult, RequestResult, ResultBody
 from libs.contracts.snapshots import PublishSnapshot
+from libs.faults import crash_point
 from services.publisher.config import PublisherConfig
 from services.publisher.naming import adapter_name
 

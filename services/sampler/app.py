@@ -16,7 +16,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import ValidationException
 
-from infra.faults import crash_point
+from libs.faults import crash_point
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine
 from services.sampler.interface import Engine, RequestError, SequenceRequest

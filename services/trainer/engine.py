@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from libs.contracts.loss_specs import resolve_config, validate_loss_request
 from services.trainer import slot_state
 from services.trainer.lora import AdapterPool, SlotConfig
-from services.trainer.loss_specs import resolve_config, validate_loss_request
 from services.trainer.losses import LOSS_FNS
 from services.trainer.model import build_model
 from services.trainer.optim import AdamParams, SlotAdamW, StepReport, zero_grads

@@ -16,7 +16,7 @@ Notation (per datum, tensors of length N): ``lp`` current log-probability of ``t
 
 Invariant: no normalisation of any kind (not by token count, datum count or weight sum), so
 K chunked calls accumulate exactly the gradients of one call; normalising is the client's job.
-Inputs are assumed validated by ``loss_specs.validate_loss_request``.
+Inputs are assumed validated by ``libs.contracts.loss_specs.validate_loss_request``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from services.trainer.loss_specs import LOSS_SPECS
+from libs.contracts.loss_specs import LOSS_SPECS
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 

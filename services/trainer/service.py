@@ -26,7 +26,6 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
-from infra.faults import crash_point
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
 from libs.contracts import codec
@@ -50,6 +49,7 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
+from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
 from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig

@@ -11,7 +11,7 @@ Pass criteria, for every scenario (`check`):
   restart and redelivery below comes after it;
 - every fault the scenario names actually fired.
 
-Faults are fault points (`infra/faults.py`: the process kills itself with SIGKILL, or wedges, at
+Faults are fault points (`libs/faults.py`: the process kills itself with SIGKILL, or wedges, at
 an exact place in its work) or external signals timed by operation events.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.faults import fired
 from infra.supervisor import NATS
+from libs.faults import fired
 from tests.faults.conftest import FAULT_ENV
 from tests.faults.workload import EventTrigger, TenantRun, differences, exactly_once, run_workload
 from tests.harness import Stack

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tinker import types
 
-from libs.contracts import tinker_wire as w
+from services.gateway import tinker_wire as w
 from services.gateway.app import ROUTE_MODULES
 from services.gateway.routes import unsupported
 from tests.fuzz.test_proto_fuzz import mutated, sdk_request

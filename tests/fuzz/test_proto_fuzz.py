@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto import request_conv
 
-from libs.contracts import tinker_proto as tp
+from services.gateway import tinker_proto as tp
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import TinkerError
 from services.gateway.validation import Limits, check_loss, datums_from_proto

@@ -9,10 +9,10 @@ import msgspec
 from litestar import Request, Response, get, post
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
 from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway

@@ -18,11 +18,11 @@ from litestar import Request, Response, delete, get, post, put
 from litestar.response import File, Stream
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.ids import SCHEME
 from libs.contracts.records import CheckpointRecord
 from services.gateway import downloads
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import (
     at,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from litestar import Request, Response, post
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import Gone, NotFound

@@ -19,10 +19,10 @@ from litestar import get, post
 from infra import tracing
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import now_ns
 from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
 from libs.contracts.sampling import SampleJob
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import resolve_checkpoint
 from services.gateway.context import Gateway

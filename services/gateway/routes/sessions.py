@@ -9,8 +9,8 @@ from __future__ import annotations
 from litestar import get, put
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.records import ModelRecord, SamplerRecord, SessionRecord
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import check_page, str_metadata
 from services.gateway.context import Gateway

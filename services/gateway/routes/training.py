@@ -13,8 +13,6 @@ import zstandard
 from litestar import Request, post
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_proto as tp
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import AdamSpec, LoraSpec, now_ns
 from libs.contracts.records import ModelRecord
 from libs.contracts.requests import (
@@ -23,6 +21,8 @@ from libs.contracts.requests import (
     ForwardBackward,
     OptimStep,
 )
+from services.gateway import tinker_proto as tp
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict, TinkerError

@@ -11,10 +11,10 @@ import msgspec
 from litestar import post
 
 from libs.contracts import subjects as s
-from libs.contracts import tinker_wire as w
 from libs.contracts.common import LoraSpec, now_ns
 from libs.contracts.records import ModelRecord, SamplerRecord
 from libs.contracts.requests import CheckpointRef, LoadWeights, SaveForSampler, SaveWeights
+from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import check_name, resolve_checkpoint
 from services.gateway.context import Gateway

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from libs.contracts.loss_specs import validate_loss_request
 from services.trainer.engine import DatumInput, TrainerEngine
 from services.trainer.lora import SlotConfig
-from services.trainer.loss_specs import validate_loss_request
 from services.trainer.tests.helpers import (
     ReferenceLoRAModel,
     ce_bounds,

@@ -23,7 +23,7 @@ from tinker import types
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as pb
 
-from libs.contracts import tinker_proto as tp
+from services.gateway import tinker_proto as tp
 
 
 def _raw(inputs: dict[str, Any]) -> Any:

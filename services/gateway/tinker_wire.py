@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from libs.contracts import tinker_proto as tp
+from services.gateway import tinker_proto as tp
 
 Metadata = dict[str, Any]
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]

@@ -1,10 +1,10 @@
 """What each Tinker loss reads, and the validator the gateway and the trainer both run.
 
 Pure Python (no torch, no numpy import) so the gateway can check a ``forward_backward``
-request before it is queued.  The math lives in ``losses.py``; this module only declares each
+request before it is queued.  The math lives in the trainer (``services/trainer/losses.py``); this module only declares each
 loss's per-token inputs (required / optional) and its config keys with defaults.
 
-Invariant: a request that passes ``validate_loss_request`` can be computed by ``losses.py``
+Invariant: a request that passes ``validate_loss_request`` can be computed by the trainer
 without further checks: every required input is present, every input has exactly the datum's
 token count, no input or config key is one the loss does not read, and every config value is a
 finite number.

@@ -41,8 +41,8 @@ from tinker.types.save_weights_for_sampler_response import (
 )
 from tinker.types.try_again_response import TryAgainResponse as SdkTryAgain
 
-from libs.contracts import tinker_proto as tp
-from libs.contracts import tinker_wire as tw
+from services.gateway import tinker_proto as tp
+from services.gateway import tinker_wire as tw
 
 NOW = dt.datetime(2026, 11, 29, 10, 11, 12, 345000, tzinfo=dt.UTC)
 
