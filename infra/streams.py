@@ -1,4 +1,4 @@
-"""Declares every stream and KV bucket, and creates them idempotently at start.
+"""Declares every stream, KV bucket and durable consumer, and creates them idempotently at start.
 
 Services never create what they bind to (no create-if-missing subscribes): `ensure_streams()` runs
 first (in `tinkerd up`, in each service's start, in tests), and repeated runs are no-ops or update a
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     ObjectStoreConfig,
@@ -92,6 +95,51 @@ def stream_configs(r: Retention) -> list[StreamConfig]:
             max_bytes=1 << 30,
         ),
     ]
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A durable pull consumer: the stream it reads and its settings (see ``bus.ensure_durable``)."""
+
+    stream: str
+    config: ConsumerConfig
+
+
+def _durable(stream: str, name: str, subject: str, ack_wait_s: float, max_ack_pending: int) -> Durable:
+    return Durable(
+        stream,
+        ConsumerConfig(
+            durable_name=name,
+            filter_subject=subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+        ),
+    )
+
+
+def planner_durables() -> list[Durable]:
+    """The planner reads every model's requests and every group's outcomes."""
+    return [
+        _durable(s.STREAM_REQUESTS, s.DURABLE_PLANNER_REQUESTS, s.REQUESTS_ALL, 60.0, 10_000),
+        _durable(s.STREAM_OUTCOMES, s.DURABLE_PLANNER_OUTCOMES, s.OUTCOMES_ALL, 60.0, 10_000),
+    ]
+
+
+def trainer_durable(group: str) -> Durable:
+    """One unit at a time, strictly in order; a running unit reports progress every 15 s."""
+    return _durable(s.STREAM_WORK, s.durable_trainer(group), s.work_subject(group), 60.0, 1)
+
+
+def publisher_durable() -> Durable:
+    """Publications copy checkpoint files: a generous ack wait."""
+    return _durable(s.STREAM_PUBLISH, s.DURABLE_PUBLISHER, s.PUBLISH_ALL, 300.0, 64)
+
+
+def sample_runner_durable(ack_wait_s: float) -> Durable:
+    """Shared by every gateway: each queued sample goes to one of them."""
+    return _durable(s.STREAM_SAMPLES, s.DURABLE_SAMPLE_RUNNERS, s.SAMPLES_ALL, ack_wait_s, 10_000)
 
 
 def bucket_configs(r: Retention) -> list[KeyValueConfig]:

@@ -22,8 +22,8 @@ import httpx
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from infra.streams import sample_runner_durable
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -53,18 +53,11 @@ class SampleRunner:
 
     async def start(self) -> None:
         js = self.gateway.bus.js
-        config = ConsumerConfig(
-            durable_name=s.DURABLE_SAMPLE_RUNNERS,
-            filter_subject=s.SAMPLES_ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ACK_WAIT_S,
-            max_ack_pending=10_000,
-        )
+        durable = sample_runner_durable(ACK_WAIT_S)
         try:
             await js.consumer_info(s.STREAM_SAMPLES, s.DURABLE_SAMPLE_RUNNERS)
         except nats.js.errors.NotFoundError:
-            await js.add_consumer(s.STREAM_SAMPLES, config)
+            await js.add_consumer(durable.stream, durable.config)
         sub = await self.gateway.bus.pull(s.SAMPLES_ALL, s.DURABLE_SAMPLE_RUNNERS, s.STREAM_SAMPLES)
         self.loop_task = asyncio.create_task(self._loop(sub))
 

@@ -17,11 +17,11 @@ import logging
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.streams import ensure_streams, planner_durables
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -48,19 +48,8 @@ log = logging.getLogger("tinkerd.planner")
 
 
 async def ensure_consumers(bus: Bus) -> None:
-    for stream, subject, durable in (
-        (s.STREAM_REQUESTS, s.REQUESTS_ALL, s.DURABLE_PLANNER_REQUESTS),
-        (s.STREAM_OUTCOMES, s.OUTCOMES_ALL, s.DURABLE_PLANNER_OUTCOMES),
-    ):
-        config = ConsumerConfig(
-            durable_name=durable,
-            filter_subject=subject,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=60.0,
-            max_ack_pending=10_000,
-        )
-        await ensure_durable(bus, stream, config)  # after a kill -9: unacked messages come back at once
+    for durable in planner_durables():
+        await ensure_durable(bus, durable.stream, durable.config)  # after a kill -9: unacked come back at once
 
 
 class PlannerService:
@@ -363,8 +352,6 @@ class PlannerService:
 
 
 async def serve(config: PlannerConfig, stop: asyncio.Event) -> None:
-    from infra.streams import ensure_streams
-
     bus = await Bus.connect(config.nats_url, "planner")
     try:
         await ensure_streams(bus.js)

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message
+from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -59,15 +59,8 @@ class PublisherService:
         self.data_dir = Path(config.data_dir).expanduser().resolve()
 
     async def ensure_consumer(self) -> None:
-        config = ConsumerConfig(
-            durable_name=s.DURABLE_PUBLISHER,
-            filter_subject=s.PUBLISH_ALL,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=300.0,
-            max_ack_pending=64,
-        )
-        await ensure_durable(self.bus, s.STREAM_PUBLISH, config)
+        durable = publisher_durable()
+        await ensure_durable(self.bus, durable.stream, durable.config)
 
     async def run(self, stop: asyncio.Event) -> None:
         layout.clean_temporaries(self.data_dir / "checkpoints")
@@ -265,8 +258,6 @@ async def delete_checkpoint_files(data_dir: Path, record: CheckpointRecord) -> N
 
 
 async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
-    from infra.streams import ensure_streams
-
     bus = await Bus.connect(config.nats_url, "publisher")
     try:
         await ensure_streams(bus.js)

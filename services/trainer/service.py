@@ -22,10 +22,10 @@ import msgspec
 import numpy as np
 import torch
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.streams import ensure_streams, trainer_durable
 from libs.checkpoints import layout
 from libs.checkpoints import state_format as fmt
 from libs.contracts import codec
@@ -85,15 +85,8 @@ class TrainerService:
 
     # --- start-up ---------------------------------------------------------------------------
     async def ensure_consumer(self) -> None:
-        config = ConsumerConfig(
-            durable_name=s.durable_trainer(self.config.group),
-            filter_subject=s.work_subject(self.config.group),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=60.0,  # a running unit reports progress every 15 s (see _keep_alive)
-            max_ack_pending=1,  # units run strictly in order
-        )
-        await ensure_durable(self.bus, s.STREAM_WORK, config)
+        durable = trainer_durable(self.config.group)
+        await ensure_durable(self.bus, durable.stream, durable.config)
 
     async def recover(self) -> int:
         """Rebuild slot state: newest internal snapshot, then re-execute later units that have outcomes."""
@@ -535,8 +528,6 @@ def ok(op: InitSlot | ReleaseSlot | LoadSlot) -> OpOutcome:
 
 
 async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
-    from infra.streams import ensure_streams
-
     data_dir = Path(config.data_dir).expanduser().resolve()
     model = resolve_base_model(config.base_model, data_dir)
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
