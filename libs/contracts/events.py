@@ -53,7 +53,7 @@ class RequestFailed(Envelope, tag="failed", kw_only=True, frozen=True):
     duration_ms: float
 
 
-class SnapshotPublished(Envelope, tag="snapshot_published", kw_only=True, frozen=True):
+class CheckpointPublished(Envelope, tag="checkpoint_published", kw_only=True, frozen=True):
     tinker_path: str
     adapter_name: str
     directory: str
@@ -78,7 +78,7 @@ OperationEvent = (
     | UnitFinished
     | RequestCompleted
     | RequestFailed
-    | SnapshotPublished
+    | CheckpointPublished
     | SessionEvent
     | ServiceEvent
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from libs.contracts.common import AdamSpec, BusDatum, Envelope, LoraSpec
+from libs.contracts.common import AdamParams, BusDatum, Envelope, LoraConfig
 from libs.contracts.requests import CheckpointRef
 
 
@@ -39,7 +39,7 @@ class InitSlot(msgspec.Struct, tag="init_slot", kw_only=True, frozen=True):
     model_id: str
     request_id: str
     slot: int
-    lora: LoraSpec
+    lora: LoraConfig
     restore: CheckpointRef | None = None
 
 
@@ -47,7 +47,7 @@ class StepSlot(msgspec.Struct, tag="step_slot", kw_only=True, frozen=True):
     model_id: str
     request_id: str
     slot: int
-    adam: AdamSpec
+    adam: AdamParams
 
 
 class DiscardSlot(msgspec.Struct, tag="discard_slot", kw_only=True, frozen=True):

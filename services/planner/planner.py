@@ -46,7 +46,16 @@ from libs.contracts.requests import (
     SaveWeights,
     UnloadModel,
 )
-from libs.contracts.results import DatumResult, Failure, ForwardBackwardResult, JsonResult, ResultBody
+from libs.contracts.results import (
+    CreateModelResponse,
+    DatumResult,
+    Failure,
+    ForwardBackwardResult,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    ResultBody,
+    UnloadModelResponse,
+)
 from libs.contracts.work import (
     BarrierUnit,
     DiscardSlot,
@@ -471,16 +480,16 @@ class Planner:
             case _ if info.get(HANDOFF):
                 return None
             case CreateModel(restore=restore) if restore is not None:  # create mode of load_weights
-                return JsonResult(body={"model_id": mid, "path": restore.tinker_path, "type": "load_weights"})
+                return LoadWeightsResponse(model_id=mid, path=restore.tinker_path)
             case CreateModel():
-                return JsonResult(body={"model_id": mid, "type": "create_model"})
+                return CreateModelResponse(model_id=mid)
             case OptimStep():
-                return JsonResult(body={"metrics": dict(metrics), "type": "optim_step"})
+                return OptimStepResponse(metrics=dict(metrics))
             case LoadWeights(restore=restore):
-                return JsonResult(body={"path": restore.tinker_path, "type": "load_weights"})
+                return LoadWeightsResponse(path=restore.tinker_path)
             case UnloadModel():
-                return JsonResult(body={"model_id": mid, "type": "unload_model"})
-        return JsonResult(body=dict(info))
+                return UnloadModelResponse(model_id=mid)
+        return Failure(error=f"no result for {type(pending.command).__name__}", category="server")
 
     def unit_traces(self, unit: Unit) -> list[str]:
         """The trace contexts of every request a unit serves (a packed unit serves many traces)."""

@@ -1,4 +1,4 @@
-"""How sampling engines name adapter snapshots (the publisher records the name; it never calls an engine)."""
+"""How sampling engines name sampler exports (adapters) (the publisher records the name; it never calls an engine)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,7 @@ import msgspec
 from safetensors.torch import load_file, save
 
 from libs.checkpoints import layout
-from services.trainer.engine import TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import LoraConfig, TrainerEngine
 from services.trainer.slot_state import SlotState
 
 KEEP = 2
@@ -28,11 +27,7 @@ KEEP = 2
 class SlotEntry(msgspec.Struct):
     slot: int
     model_id: str
-    rank: int
-    seed: int
-    train_attn: bool
-    train_mlp: bool
-    train_unembed: bool
+    lora: LoraConfig
     step: int
     pending: bool
 
@@ -59,8 +54,7 @@ def take(engine: TrainerEngine, slot_models: dict[int, str], data_dir: Path, gro
         tensors |= {f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()}
         tensors |= {f"grad.{k}": v for k, v in grads.items()}
         files[f"slot-{slot}.safetensors"] = save({k: v.contiguous() for k, v in tensors.items()})
-        c = state.config
-        entries.append(SlotEntry(slot, model_id, c.rank, c.seed, c.train_attn, c.train_mlp, c.train_unembed, state.step, slot in pending))
+        entries.append(SlotEntry(slot, model_id, state.config, state.step, slot in pending))
     files["slots.json"] = msgspec.json.encode(SnapshotIndex(work_seq, entries))
     directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files)
     for old in sorted(p for p in root(data_dir, group).iterdir() if p.is_dir() and not p.name.startswith("."))[:-KEEP]:
@@ -86,9 +80,8 @@ def restore(engine: TrainerEngine, directory: Path) -> tuple[int, dict[int, str]
         def part(prefix: str, tensors: dict = tensors) -> dict:  # type: ignore[type-arg]
             return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
-        config = SlotConfig(entry.rank, entry.seed, entry.train_attn, entry.train_mlp, entry.train_unembed)
-        engine.init_slot(entry.slot, entry.rank, entry.seed, entry.train_attn, entry.train_mlp, entry.train_unembed)
-        state = SlotState(config, entry.step, part("adapter."), part("exp_avg."), part("exp_avg_sq."))
+        engine.init_slot(entry.slot, entry.lora)
+        state = SlotState(entry.lora, entry.step, part("adapter."), part("exp_avg."), part("exp_avg_sq."))
         engine.set_slot_state(entry.slot, state, with_optimizer=True)
         engine.set_slot_grads(entry.slot, part("grad."), entry.pending)
         slot_models[entry.slot] = entry.model_id
