@@ -171,6 +171,6 @@ ROUTES = [
     finish_session,
     telemetry,
     get_server_capabilities,
-    healthz,
     apikey_me,
 ]
+PUBLIC_ROUTES = [healthz]
