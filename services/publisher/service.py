@@ -143,7 +143,7 @@ class PublisherService:
             kv = await self.bus.kv(s.KV_CHECKPOINTS)
             await kv.put(path.key, codec.to_json(record))
             await self._event(p, engine_name, version_dir)
-            body = _named_save_result(kind, p.tinker_path, record.size_bytes)
+            body = named_save_result(kind, p.tinker_path, record.size_bytes)
         else:
             assert p.sampling_session_id is not None
             version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
@@ -267,7 +267,7 @@ async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
         await bus.close()
 
 
-def _named_save_result(kind: str, path: str, size_bytes: int) -> ResultBody:
+def named_save_result(kind: str, path: str, size_bytes: int) -> ResultBody:
     """The future's result of a named save: the SDK's response type for that save."""
     match kind:
         case "training":
