@@ -55,6 +55,16 @@ def sampler_id(session_id: str, sampling_seq_id: int) -> str:
     return f"{session_id}:sample:{sampling_seq_id}"
 
 
+def session_models_prefix(session_id: str) -> str:
+    """The key prefix, in the models bucket, of every model of a session."""
+    return token(f"{session_id}:train:")
+
+
+def session_samplers_prefix(session_id: str) -> str:
+    """The key prefix, in the samplers bucket, of every sampling session of a session."""
+    return token(f"{session_id}:sample:")
+
+
 def sequence_id(request: str, index: int) -> str:
     """The `sample_sequence_id` of the `index`-th sequence a sample request returns."""
     return f"{request}:{index}"

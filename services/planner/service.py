@@ -102,7 +102,9 @@ class PlannerService:
         )
         self._replayed = self.planner.collect()  # published (again, at most once) before going live
         # Re-checked on _advance. Samples waiting for an engine are the gateway's records, not ours.
-        self._paused = {s.untoken(key) for key in await self._queue_keys() if "=sample=" not in key}
+        self._paused = {
+            owner for owner in map(s.untoken, await self._queue_keys()) if not ids.is_sampler_id(owner)
+        }
         log.info(
             "replayed %d requests, %d units, %d outcomes after snapshot %s",
             *counts,

@@ -8,6 +8,7 @@ import uuid
 import msgspec
 from litestar import Request, Response, get, post
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
@@ -104,7 +105,7 @@ async def finish_session(
     # The session's models give their adapter slots back once their queued work has run;
     # their checkpoints stay. (Repeated on a retried finish: unloading is idempotent.)
     for _, model in await gateway.store.scan(
-        s.KV_MODELS, ModelRecord, prefix=f"{s.token(session_id)}=train="
+        s.KV_MODELS, ModelRecord, prefix=ids.session_models_prefix(session_id)
     ):
         if model.tenant == tenant.id:
             await unload(gateway, model)
