@@ -59,6 +59,30 @@ class CheckpointPublished(Envelope, tag="checkpoint_published", kw_only=True, fr
     directory: str
 
 
+class SlotAssigned(Envelope, tag="slot_assigned", kw_only=True, frozen=True):
+    """The planner gave a model an adapter slot: on create, or to page it back in."""
+
+    slot: int
+    reason: str  # "create" | "page_in"
+    evicted: str = ""  # the idle model paged out to free the slot, if any
+
+
+class ModelPagedOut(Envelope, tag="model_paged_out", kw_only=True, frozen=True):
+    """A trainer moved an idle model's training state out of its slot."""
+
+    slot: int
+    bytes: int
+    ms: float
+    where: str  # "host" | "disk" (host memory over its budget)
+
+
+class ModelPagedIn(Envelope, tag="model_paged_in", kw_only=True, frozen=True):
+    slot: int
+    bytes: int
+    ms: float
+    where: str  # where the state came from: "host" | "disk"
+
+
 class SessionEvent(Envelope, tag="session", kw_only=True, frozen=True):
     session_id: str
     what: str  # "created" | "finished" | "expired"
@@ -79,6 +103,9 @@ OperationEvent = (
     | RequestCompleted
     | RequestFailed
     | CheckpointPublished
+    | SlotAssigned
+    | ModelPagedOut
+    | ModelPagedIn
     | SessionEvent
     | ServiceEvent
 )

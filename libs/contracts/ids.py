@@ -80,6 +80,11 @@ def unload_request_id(model_id: str) -> str:
     return f"{model_id}:unload"
 
 
+def page_request_id(model_id: str) -> str:
+    """The request id a residency op (page out, page in) carries: it answers no future."""
+    return f"{model_id}:page"
+
+
 def owner_of_request(request: str) -> str:
     """The model (or sampler) a request id belongs to."""
     return request.rsplit(":", 1)[0]

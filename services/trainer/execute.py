@@ -18,16 +18,20 @@ import msgspec
 import numpy as np
 
 from libs.contracts.common import now_ns
+from libs.contracts.events import ModelPagedIn, ModelPagedOut, OperationEvent
 from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.work import (
     BarrierUnit,
     DiscardSlot,
+    DropPaged,
     ExportSlot,
     FailRequest,
     InitSlot,
     LoadSlot,
+    PageIn,
+    PageOut,
     ReleaseSlot,
     SaveSlot,
     StepSlot,
@@ -37,6 +41,7 @@ from libs.contracts.work import (
 from libs.faults import crash_point
 from services.trainer.checkpoint_files import StorageError, write_checkpoint
 from services.trainer.engine import DatumInput, TrainerEngine
+from services.trainer.paging import Moved, PageStore
 from services.trainer.state_io import read_training_state
 
 log = logging.getLogger("tinkerd.trainer")
@@ -52,13 +57,15 @@ def default_seed(model_id: str) -> int:
 
 
 class Executor:
-    """Applies units to the engine and keeps which model owns which slot."""
+    """Applies units to the engine; keeps which model owns which slot, and the paged-out ones."""
 
-    def __init__(self, engine: TrainerEngine, base_model: str, data_dir: Path) -> None:
+    def __init__(self, engine: TrainerEngine, base_model: str, data_dir: Path, pages: PageStore) -> None:
         self.engine = engine
         self.base_model = base_model
         self.data_dir = data_dir
+        self.pages = pages
         self.slot_models: dict[int, str] = {}
+        self.events: list[OperationEvent] = []  # emitted by the service after the unit
 
     def execute(self, unit: Unit, replaying: bool) -> tuple[Outcome, list[PublishCommand]]:
         started = now_ns()
@@ -209,6 +216,16 @@ class Executor:
             case ReleaseSlot():
                 self.engine.release_slot(op.slot)
                 self.slot_models.pop(op.slot, None)
+            case PageOut():
+                moved = self.pages.page_out(self.engine, op.slot, op.model_id)
+                self.slot_models.pop(op.slot, None)
+                self._moved(ModelPagedOut, op, moved)
+            case PageIn():
+                moved = self.pages.page_in(self.engine, op.slot, op.model_id)
+                self.slot_models[op.slot] = op.model_id
+                self._moved(ModelPagedIn, op, moved)
+            case DropPaged():
+                self.pages.drop(op.model_id)
             case DiscardSlot(reason=reason):
                 self.engine.discard_grads(op.slot)
                 error = (
@@ -230,6 +247,11 @@ class Executor:
         if isinstance(op, InitSlot):
             self.slot_models[op.slot] = op.model_id
         return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=True), None
+
+    def _moved(self, event: type[ModelPagedOut] | type[ModelPagedIn], op: PageOut | PageIn, moved: Moved) -> None:
+        self.events.append(
+            event(model_id=op.model_id, slot=op.slot, bytes=moved.nbytes, ms=moved.ms, where=moved.where, at_ns=now_ns())
+        )
 
 
 def _handed_off(op: SaveSlot | ExportSlot) -> OpOutcome:

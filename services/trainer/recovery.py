@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from nats.aio.msg import Msg
 
 from infra.bus import Bus, last_seq, replay
@@ -39,10 +40,19 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
     state = Recovered()
     snapshot = snapshots.latest(data_dir, group)
     if snapshot is not None:
-        state.base_seq, executor.slot_models = await asyncio.to_thread(
-            snapshots.restore, executor.engine, snapshot
+        try:
+            state.base_seq, executor.slot_models = await asyncio.to_thread(
+                snapshots.restore, executor.engine, executor.pages, snapshot
+            )
+        except (msgspec.ValidationError, msgspec.DecodeError, OSError) as exc:  # e.g. an older format
+            log.warning("snapshot %s cannot be read (%s); replaying the whole work stream", snapshot.name, exc)
+            state.base_seq, executor.slot_models = 0, {}
+        log.info(
+            "restored snapshot %s (%d slots, %d paged)",
+            snapshot.name,
+            len(executor.slot_models),
+            len(executor.pages.models),
         )
-        log.info("restored snapshot %s (%d slots)", snapshot.name, len(executor.slot_models))
     state.last_work_seq = state.base_seq
 
     def on_outcome(msg: Msg) -> None:
@@ -64,5 +74,6 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
     for seq, unit in units:
         await asyncio.to_thread(executor.execute, unit, True)
         state.last_work_seq = seq
+    executor.events.clear()  # replayed page moves were reported when they first ran
     state.replayed = len(units)
     return state

@@ -38,6 +38,7 @@ from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
+from services.trainer.paging import PageStore
 from services.trainer.recovery import recover
 
 log = logging.getLogger("tinkerd.trainer")
@@ -52,7 +53,8 @@ class TrainerService:
         self.engine = engine
         self.base_model = base_model
         self.data_dir = Path(config.data_dir).expanduser().resolve()
-        self.executor = Executor(engine, base_model, self.data_dir)
+        pages = PageStore(self.data_dir / "trainer" / config.group / "paged", config.host_page_budget_bytes)
+        self.executor = Executor(engine, base_model, self.data_dir, pages)
         self.trainer_id = config.trainer_id or f"{config.group}-{socket.gethostname()}-{os.getpid()}"
         self.completed: set[str] = set()
         self.last_work_seq = 0
@@ -107,6 +109,9 @@ class TrainerService:
                     outcome, publishes = await self._run_with_watchdog(unit)
             finally:
                 working.cancel()
+            for event in self.executor.events:
+                self.bus.emit_soon(event)
+            self.executor.events.clear()
             publishes = [msgspec.structs.replace(p, traceparent=ctx) for p in publishes]
             for publish in publishes:
                 await self.bus.publish(
@@ -165,6 +170,7 @@ class TrainerService:
                 trainer_snapshots.take,
                 self.engine,
                 dict(self.executor.slot_models),
+                self.executor.pages,
                 self.data_dir,
                 self.config.group,
                 self.last_work_seq,
