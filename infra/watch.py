@@ -151,12 +151,16 @@ async def print_status(nats_url: str) -> None:
         )
     open_sessions = sum(1 for x in st.sessions if not x.finished)
     print(f"sessions: {len(st.sessions)} ({open_sessions} open)")
-    print("models:")
+    resident = sum(1 for p in st.planner.values() if p.slot is not None and not p.closed)
+    paged = sum(1 for p in st.planner.values() if p.paged and not p.closed)
+    print(f"models: {resident} resident, {paged} paged out")
     for m in st.models:
         state = " (unloaded)" if m.unloaded else ""
         commands = st.commands_per_model.get(m.model_id, 0)
         plan = st.planner.get(m.model_id)
+        residency = "" if plan is None else ("paged" if plan.paged else "resident" if plan.slot is not None else "")
         where = f"slot={plan.slot} queued={plan.queued}" if plan else "slot=? queued=?"
+        where += f" {residency}" if residency else ""
         if plan and plan.waiting_for_seq is not None:
             where += f" waiting_for_seq={plan.waiting_for_seq} (+{plan.buffered} ahead)"
         newest = st.newest_checkpoint.get(m.model_id, "-")

@@ -19,6 +19,8 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     user_metadata: dict[str, object] | None = None
     sdk_version: str = ""
     finished: bool = False
+    heartbeat_ns: int = 0  # the last heartbeat written (at most one write per beat_write_s)
+    expired: bool = False  # its heartbeats lapsed: its models were unloaded (session_lifecycle.py)
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -106,3 +108,4 @@ class ModelQueueRecord(msgspec.Struct, kw_only=True, frozen=True):
     buffered: int  # arrived ahead of a missing seq_id
     waiting_for_seq: int | None = None
     closed: bool = False
+    paged: bool = False  # its training state is in the trainer's page store (it holds no slot)

@@ -47,7 +47,11 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How long results are kept (the results stream's max age); older futures answer 410."""
     retrieve_wait_s: float = 30.0
     """How long retrieve_future holds a pending request before answering try_again."""
-    session_ttl_s: float = 3600.0
+    session_expiry_s: float = 300.0
+    """A session with no heartbeat for this long is expired: its models are unloaded (the SDK
+    beats every 10 s). Its futures still answer and its checkpoints stay."""
+    session_reap_interval_s: float = 30.0
+    """How often each gateway looks for lapsed sessions."""
 
     def engines(self) -> list[str]:
         urls = [u.strip().rstrip("/") for u in self.sampler_urls.split(",") if u.strip()]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from litestar import Litestar, Request
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
 from infra.streams import ensure_streams
+from libs.contracts.records import SessionRecord
 from libs.contracts.results import RequestResult
 from libs.models.registry import ResolvedModel, resolve_base_model
 from services.gateway.admission import Admission
@@ -33,6 +35,12 @@ from services.gateway.store import Store
 log = logging.getLogger("tinkerd.gateway")
 
 
+class SessionBeats(Protocol):
+    async def beat(self, record: SessionRecord) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class Gateway:
     config: GatewayConfig
@@ -44,6 +52,7 @@ class Gateway:
     admission: Admission
     engines: EnginePool
     metrics: Metrics = field(default_factory=Metrics)
+    sessions: SessionBeats | None = None  # session_lifecycle.SessionLifecycle, set by the lifespan
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     @property
@@ -99,15 +108,21 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
             from services.gateway.sample_runner import SampleRunner  # it needs Gateway from here
+            from services.gateway.session_lifecycle import SessionLifecycle
 
             runner = SampleRunner(gateway)
             await runner.start()
+            lifecycle = SessionLifecycle(gateway)
+            await lifecycle.start()
+            gateway.sessions = lifecycle
             app.state.gateway = gateway
             log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, model.name)
             yield
         finally:
             if "runner" in locals():
                 await runner.close()
+            if "gateway" in locals() and gateway.sessions is not None:
+                await gateway.sessions.close()
             if hasattr(app.state, "gateway"):
                 await app.state.gateway.board.stop()
             await engines.close()

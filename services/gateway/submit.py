@@ -294,7 +294,7 @@ async def unload(gateway: Gateway, model: ModelRecord) -> str:
     Not a client seq_id: the planner runs it once the model's queue drains, then frees the
     adapter slot (checkpoints stay). Idempotent (`Nats-Msg-Id`, and the planner's own dedupe).
     """
-    request_id = f"{model.model_id}:unload"
+    request_id = ids.unload_request_id(model.model_id)
     command = UnloadModel(
         model_id=model.model_id,
         seq_id=-1,

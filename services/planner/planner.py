@@ -145,6 +145,12 @@ class Planner:
     def __init__(self, num_slots: int, token_budget: int = 16_384, state: PlannerState | None = None) -> None:
         self.state = state or PlannerState(num_slots=num_slots, token_budget=token_budget)
         self._outbox: list[Completion] = []  # finished requests not collected yet
+        # Models with commands queued or buffered: the only ones a decision looks at, so its
+        # cost does not grow with idle models (derived from the state, never encoded).
+        self._active: dict[str, None] = {
+            m: None for m, stream in self.state.streams.items() if stream.queue or stream.buffered
+        }
+        self._touched: set[str] = set()  # models whose summary may have changed (changed_models)
 
     @property
     def streams(self) -> dict[str, ModelStream]:
@@ -157,6 +163,7 @@ class Planner:
         match fact:
             case CommandArrived(command=command, arrival=arrival, now_ns=now):
                 changed = self._stream(command.model_id).accept(command, arrival, now) is not None
+                self._active[command.model_id] = None
             case UnitEmitted(unit=unit):
                 changed = self._apply_unit(unit)
             case OutcomeArrived(outcome=outcome):
@@ -173,6 +180,7 @@ class Planner:
         models = [i.model_id for i in unit.items] if isinstance(unit, WorkUnit) else [op.model_id for op in unit.ops]
         for model_id in models:
             self._stream(model_id).last_used = unit_number(unit.unit_id)
+            self._touched.add(model_id)
         match unit:
             case WorkUnit(items=items):
                 state.inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
@@ -204,7 +212,8 @@ class Planner:
     def _settle(self) -> None:
         """After every fact: a closed model fails what it can no longer run, and finished
         requests leave their queues for the outbox, in seq_id order."""
-        for stream in self.state.streams.values():
+        for stream in self._active_streams():
+            self._touched.add(stream.model_id)
             if stream.closed:
                 self._fail_unstarted(stream)
             for pending in stream.pop_completed():
@@ -212,6 +221,16 @@ class Planner:
                 if isinstance(cmd, Rejected):
                     pending.error, pending.category = cmd.error, cmd.category
                 self._outbox.append(Completion(pending, stream.model_id, self._result_body(stream, pending)))
+            if not stream.queue and not stream.buffered:
+                del self._active[stream.model_id]
+
+    def _active_streams(self) -> list[ModelStream]:
+        return [self.state.streams[m] for m in list(self._active)]
+
+    def changed_models(self) -> list[ModelStream]:
+        """The models a fact touched since the last call (their queue summary may have changed)."""
+        touched, self._touched = self._touched, set()
+        return [self.state.streams[m] for m in sorted(touched) if m in self.state.streams]
 
     def collect(self) -> list[Completion]:
         """The requests finished since the last call (each exactly once), oldest fact first."""
@@ -242,7 +261,7 @@ class Planner:
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
         waiting: tuple[ModelStream, Pending] | None = None
-        for stream in self.state.streams.values():
+        for stream in self._active_streams():
             if stream.closed:
                 continue
             head = stream.oldest_runnable()
@@ -285,7 +304,7 @@ class Planner:
             return []
         waiting = []
         busy = self._busy_models()
-        for stream in self.state.streams.values():
+        for stream in self._active_streams():
             head = None if stream.closed else stream.oldest_runnable()
             if head is not None and self._needs_slot(stream, head) and self._victim(stream, busy) is None:
                 waiting.append(head.command.request_id)
@@ -312,11 +331,8 @@ class Planner:
     def _victim(self, needy: ModelStream, busy: set[str]) -> ModelStream | None:
         """The resident model to page out: nothing in flight; idle ones (nothing runnable)
         first, then the least recently used."""
-        candidates = [
-            s
-            for s in self.state.streams.values()
-            if s.slot is not None and s is not needy and s.model_id not in busy and s.created
-        ]
+        resident = (self.state.streams[m] for m in self.state.slots.values())
+        candidates = [s for s in resident if s is not needy and s.model_id not in busy and s.created]
         if not candidates:
             return None
         return min(candidates, key=lambda s: (s.oldest_runnable() is not None, s.last_used, s.model_id))
@@ -345,7 +361,7 @@ class Planner:
         assert isinstance(command, ForwardBackward)
         key = loss_class(command)
         rows: list[tuple[int, int, ModelStream, Pending]] = []
-        for stream in self.state.streams.values():
+        for stream in self._active_streams():
             if stream.closed or stream.slot is None:  # only resident models' datums are packed
                 continue
             for pending in stream.open_window():
@@ -375,7 +391,7 @@ class Planner:
     def _barrier_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit:
         chosen = [(stream, head)]
         if isinstance(head.command, OptimStep):
-            for other in self.state.streams.values():
+            for other in self._active_streams():
                 if other is stream or other.closed or other.slot is None:
                     continue
                 barrier = other.ready_barrier()

@@ -186,7 +186,7 @@ class PlannerService:
     async def _publish_model_summaries(self) -> None:
         """Write each model's summary when it changed (operators read them: `tinkerd status`)."""
         kv = await self.bus.kv(s.KV_PLANNER)
-        for stream in self.planner.streams.values():
+        for stream in self.planner.changed_models():
             record = ModelQueueRecord(
                 model_id=stream.model_id,
                 slot=stream.slot,
@@ -194,6 +194,7 @@ class PlannerService:
                 buffered=len(stream.buffered),
                 waiting_for_seq=stream.missing_seq,
                 closed=stream.closed,
+                paged=stream.paged,
             )
             if self._summaries.get(stream.model_id) != record:
                 await kv.put(s.token(stream.model_id), codec.to_json(record))

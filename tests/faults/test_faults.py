@@ -112,6 +112,21 @@ def test_trainer_killed_in_every_phase(tmp_path: Path, reference: dict[int, Tena
     scenario(tmp_path, reference, points)
 
 
+def test_trainer_and_planner_killed_while_models_are_paged_out(
+    tmp_path: Path, reference: dict[int, TenantRun]
+) -> None:
+    """One adapter slot for three tenants: every model is paged out and in again and again. After
+    the 3rd page-out the trainer is killed -9, then the planner: the trainer's replay rebuilds its
+    page store (from its snapshot and the page-outs after it), the planner's which model is where,
+    and every tenant's results still match the reference, which never paged anything."""
+
+    def action(stack: Stack) -> None:
+        kill("trainer")(stack)
+        kill("planner")(stack)
+
+    scenario(tmp_path, reference, trigger=("model_paged_out", 3, action), env={"TINKERD_NUM_SLOTS": "1"})
+
+
 def test_planner_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
     """The planner dies after appending units but before acknowledging their requests, between
     two results it publishes, and after publishing results but before acknowledging the outcomes."""

@@ -1,6 +1,6 @@
 """docs/events.md stays in step with the bus message Structs in libs/contracts/.
 
-- every tagged Struct of requests, work, outcomes, results, events and snapshots is mentioned by
+- every tagged Struct of requests, work, outcomes, results, events and publish commands is mentioned by
   its tag, in a section headed ``### `tag` · ClassName``;
 - every Struct of those modules, of common.py and of records.py has a section listing each of its
   own fields (envelope fields are listed once, under Envelope);
@@ -21,7 +21,7 @@ from libs.contracts.common import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "events.md"
-TAGGED_MODULES = ("requests", "work", "outcomes", "results", "events", "snapshots", "sampling")
+TAGGED_MODULES = ("requests", "work", "outcomes", "results", "events", "publish", "sampling")
 """The message families: every tagged Struct in them must be documented by its tag."""
 FIELD_MODULES = ("common", *TAGGED_MODULES, "records")
 """Modules whose every Struct (tagged or not) has a section listing all its fields."""

@@ -93,7 +93,9 @@ async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> Se
 async def session_heartbeat(
     data: w.SessionHeartbeatRequest, gateway: Gateway, tenant: Tenant
 ) -> w.SessionHeartbeatResponse:
-    await owned_session(gateway, tenant, data.session_id)
+    record = await owned_session(gateway, tenant, data.session_id)
+    if gateway.sessions is not None:
+        await gateway.sessions.beat(record)  # 410 once the session is over: the SDK stops beating
     return w.SessionHeartbeatResponse()
 
 
