@@ -5,7 +5,7 @@ The model's fused path returns ``-log p(target)`` for one target per position. T
 the logits instead and computes, per TP rank holding vocabulary rows [start, start + V/tp):
 
     m      = max over the full vocabulary (all-reduce MAX; no gradient needed: lse is exact)
-    lse    = m + log(sum_ranks sum_v exp(x_v - m))          (autograd all-reduce SUM)
+    lse    = m + log(sum_ranks sum_v exp(x_v - m))          (all-reduce SUM, identity backward)
     lp_k   = sum_ranks [x_{t_k} if t_k in this shard else 0] - lse
 
 Memory: one [T, V/tp] fp32 temporary (the exponentials), as the fused cross-entropy has, not
@@ -21,13 +21,14 @@ from services.trainer.parallel import tp_rank, tp_size
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Differentiable sum over the TP group (the identity at TP=1)."""
+    """Sum over the TP group whose backward is the identity: every rank goes on to compute the
+    same loss from the (replicated) sum, so each shard's gradient is the sum's gradient as is
+    (an all-reducing backward would count it tp times). The identity at TP=1."""
     if tp_size() == 1:
         return value
-    from megatron.core import parallel_state
-    from torch.distributed.nn.functional import all_reduce
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    return all_reduce(value, op=dist.ReduceOp.SUM, group=parallel_state.get_tensor_model_parallel_group())
+    return reduce_from_tensor_model_parallel_region(value)
 
 
 def target_logprobs(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
