@@ -5,9 +5,17 @@ request before it is queued.  The math lives in the trainer (``services/trainer/
 loss's per-token inputs (required / optional) and its config keys with defaults.
 
 Invariant: a request that passes ``validate_loss_request`` can be computed by the trainer
-without further checks: every required input is present, every input has exactly the datum's
-token count, no input or config key is one the loss does not read, and every config value is a
-finite number.
+without further checks: every required input is present, every input's first dimension is the
+datum's token count, no input or config key is one the loss neither reads nor is known to be sent
+beside it, and every config value is a finite number.
+
+Input rules (docs/semantics.md §4 lists them per loss):
+- ``required_inputs`` must be present; ``optional_inputs`` may be.
+- ``ignored_inputs`` are keys the vendor's examples or the cookbook send beside a loss that does
+  not read them (``weights`` beside the policy losses): accepted, checked for shape, never read.
+- Any other key is a 400 naming it.
+- Every input is 1-D ``[N]``, except that ``cross_entropy`` takes top-K targets: ``target_tokens``
+  ``[N, K]`` with ``weights`` of the same shape (or absent: every column weight 1).
 """
 
 from __future__ import annotations
@@ -25,28 +33,59 @@ class LossSpec:
     required_inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
     config_defaults: Mapping[str, float] = field(default_factory=dict)
+    ignored_inputs: tuple[str, ...] = ()
+    top_k: bool = False  # target_tokens (and weights) may be [N, K]
 
     @property
     def inputs(self) -> tuple[str, ...]:
+        """The inputs the loss reads."""
         return self.required_inputs + self.optional_inputs
+
+    @property
+    def accepted(self) -> tuple[str, ...]:
+        """Every key a request may carry: what the loss reads plus what it ignores."""
+        return self.inputs + self.ignored_inputs
+
+
+CUSTOM_LOSS_ERROR = (
+    "loss_fn 'custom' is not supported: this server does not offer server-side custom losses "
+    "(create_custom_loss); use TrainingClient.forward_backward_custom, which computes the loss on "
+    "the client and works here"
+)
 
 
 _POLICY = ("target_tokens", "logprobs", "advantages")
+# The policy losses weight tokens through their advantages; ``weights`` rides along in the
+# vendor's examples and in hand-written RL loops that reuse supervised datums.
+_POLICY_IGNORED = ("weights",)
 
 LOSS_SPECS: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
-        LossSpec("cross_entropy", ("target_tokens",), ("weights",)),
-        LossSpec("importance_sampling", _POLICY),
-        LossSpec("ppo", _POLICY, (), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-        LossSpec("cispo", _POLICY, (), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-        LossSpec("dro", _POLICY, (), {"beta": 0.05}),
+        LossSpec("cross_entropy", ("target_tokens",), ("weights",), top_k=True),
+        LossSpec("importance_sampling", _POLICY, ignored_inputs=_POLICY_IGNORED),
+        LossSpec(
+            "ppo",
+            _POLICY,
+            (),
+            {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            ignored_inputs=_POLICY_IGNORED,
+        ),
+        LossSpec(
+            "cispo",
+            _POLICY,
+            (),
+            {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+            ignored_inputs=_POLICY_IGNORED,
+        ),
+        LossSpec("dro", _POLICY, (), {"beta": 0.05}, ignored_inputs=_POLICY_IGNORED),
         # GSPO paper clip ranges (eps_low 3e-4, eps_high 4e-4) as absolute thresholds.
         LossSpec(
             "gspo",
             _POLICY,
             ("sequence_ratio_mask",),
             {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4},
+            ignored_inputs=_POLICY_IGNORED,
         ),
     )
 }
@@ -63,7 +102,7 @@ def validate_config(loss_fn: str, config: Mapping[str, object] | None) -> str | 
     """An error message naming the offending field, or None when the config is acceptable."""
     spec = LOSS_SPECS.get(loss_fn)
     if spec is None:
-        return f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(sorted(LOSS_SPECS))}"
+        return unsupported_loss_error(loss_fn)
     for key, value in (config or {}).items():
         if key not in spec.config_defaults:
             known = ", ".join(sorted(spec.config_defaults)) or "none"
@@ -77,22 +116,50 @@ def validate_config(loss_fn: str, config: Mapping[str, object] | None) -> str | 
     return None
 
 
+def unsupported_loss_error(loss_fn: str) -> str:
+    """The 400 message for a ``loss_fn`` this server does not compute."""
+    if loss_fn == "custom":
+        return CUSTOM_LOSS_ERROR
+    return f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(sorted(LOSS_SPECS))}"
+
+
+Shape = int | tuple[int, ...]  # an int is a 1-D length
+
+
+def _dims(shape: Shape) -> tuple[int, ...]:
+    return (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+
+
 def validate_datum_inputs(
-    loss_fn: str, index: int, num_tokens: int, input_lengths: Mapping[str, int]
+    loss_fn: str, index: int, num_tokens: int, input_shapes: Mapping[str, Shape]
 ) -> str | None:
-    """Check one datum's ``loss_fn_inputs`` (given as name -> length) against the loss."""
+    """Check one datum's ``loss_fn_inputs`` (given as name -> shape, or -> length for 1-D)."""
     spec = LOSS_SPECS[loss_fn]
     where = f"data[{index}].loss_fn_inputs"
     if num_tokens < 1:
         return f"data[{index}].model_input has no tokens"
     for name in spec.required_inputs:
-        if name not in input_lengths:
+        if name not in input_shapes:
             return f"{where}.{name} is required by {loss_fn}"
-    for name, length in input_lengths.items():
-        if name not in spec.inputs:
+    target_dims = _dims(input_shapes["target_tokens"])
+    for name, shape in input_shapes.items():
+        if name not in spec.accepted:
             return f"{where}.{name} is not read by {loss_fn} (it reads: {', '.join(spec.inputs)})"
-        if length != num_tokens:
-            return f"{where}.{name} has length {length}, expected {num_tokens} (the datum's token count)"
+        dims = _dims(shape)
+        if len(dims) == 0 or dims[0] != num_tokens:
+            got = dims[0] if dims else "a scalar"
+            return f"{where}.{name} has length {got}, expected {num_tokens} (the datum's token count)"
+        if len(dims) == 1:
+            if name == "weights" and len(target_dims) == 2 and name in spec.inputs:
+                return f"{where}.weights has shape {list(dims)}, expected {list(target_dims)} (target_tokens' shape)"
+            continue
+        if not spec.top_k or len(dims) != 2 or name not in ("target_tokens", "weights"):
+            allowed = "[N] or [N, K]" if spec.top_k and name in ("target_tokens", "weights") else "[N]"
+            return f"{where}.{name} has shape {list(dims)}, expected {allowed} for {loss_fn}"
+        if dims[1] < 1:
+            return f"{where}.{name} has shape {list(dims)}: K must be at least 1"
+        if name == "weights" and dims != target_dims:
+            return f"{where}.weights has shape {list(dims)}, expected {list(target_dims)} (target_tokens' shape)"
     return None
 
 
@@ -100,7 +167,7 @@ def validate_loss_request(
     loss_fn: str,
     config: Mapping[str, object] | None,
     token_counts: Sequence[int],
-    input_lengths: Sequence[Mapping[str, int]],
+    input_lengths: Sequence[Mapping[str, Shape]],
 ) -> str | None:
     """Validate a whole ``forward_backward`` request; returns the first error or None.
 
@@ -108,7 +175,7 @@ def validate_loss_request(
         loss_fn: The loss name.
         config: ``loss_fn_config`` (may be None).
         token_counts: Each datum's model-input token count.
-        input_lengths: Each datum's ``loss_fn_inputs`` as name -> number of elements.
+        input_lengths: Each datum's ``loss_fn_inputs`` as name -> shape (an int: a 1-D length).
     """
     error = validate_config(loss_fn, config)
     if error is not None:

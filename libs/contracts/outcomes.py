@@ -14,9 +14,10 @@ from libs.contracts.common import Envelope
 class DatumOutcome(msgspec.Struct, frozen=True, array_like=True):
     request_id: str
     index: int
-    logprobs: bytes  # float32 little-endian, one per input token
+    logprobs: bytes  # float32 little-endian, one per input token (K per token for top-K targets)
     loss: float
     error: str | None = None  # a per-datum failure (validation); other datums are unaffected
+    k: int = 0  # 0: logprobs is [N]; K >= 1: it is [N, K] (top-K target_tokens)
 
 
 class WorkOutcome(Envelope, tag="work_done", kw_only=True, frozen=True):

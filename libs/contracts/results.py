@@ -15,6 +15,7 @@ from libs.contracts.common import Envelope
 class DatumResult(msgspec.Struct, frozen=True, array_like=True):
     logprobs: bytes  # float32 little-endian
     loss: float
+    k: int = 0  # 0: logprobs is [N]; K >= 1: it is [N, K] (top-K target_tokens)
 
 
 class ForwardBackwardResult(msgspec.Struct, tag="forward_backward", frozen=True, kw_only=True):

@@ -6,6 +6,7 @@ import numpy as np
 from litestar import Response
 
 from libs.contracts.results import (
+    DatumResult,
     Failure,
     ForwardBackwardResult,
     RequestResult,
@@ -20,10 +21,15 @@ PROTOBUF = "application/x-protobuf"
 
 def forward_backward_proto(result: ForwardBackwardResult) -> tp.ForwardBackwardOutput:
     outputs = [
-        {"logprobs": np.frombuffer(d.logprobs, dtype="<f4"), "loss": np.asarray([d.loss], dtype=np.float32)}
-        for d in result.outputs
+        {"logprobs": _logprobs(d), "loss": np.asarray([d.loss], dtype=np.float32)} for d in result.outputs
     ]
     return tp.forward_backward_output(outputs, result.metrics)
+
+
+def _logprobs(datum: DatumResult) -> np.ndarray:
+    """[N], or [N, K] for top-K targets."""
+    flat = np.frombuffer(datum.logprobs, dtype="<f4")
+    return flat.reshape(-1, datum.k) if datum.k else flat
 
 
 def _topk(topk: TopK | None) -> tp.TopkLogprobs | None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from libs.contracts.common import BusDatum, BusTensor
-from libs.contracts.loss_specs import LOSS_SPECS, validate_loss_request
+from libs.contracts.loss_specs import LOSS_SPECS, unsupported_loss_error, validate_loss_request
 from services.gateway import tinker_proto as tp
 from services.gateway import tinker_wire as w
 from services.gateway.config import GatewayConfig
@@ -66,8 +66,8 @@ def _bus_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], li
     _tokens_in_vocab(f"{where}.model_input", tokens, limits.vocab_size)
     bus_inputs = {}
     for name, array in inputs.items():
-        if array.ndim != 1:
-            raise BadRequest(f"{where}.loss_fn_inputs.{name} must be 1-D, got shape {list(array.shape)}")
+        if array.ndim not in (1, 2):  # [N], or [N, K] for top-K targets (the loss spec says which)
+            raise BadRequest(f"{where}.loss_fn_inputs.{name} must be [N] or [N, K], got shape {list(array.shape)}")
         if name in INT_INPUTS:
             arr = array.astype(np.int64)
             _tokens_in_vocab(f"{where}.loss_fn_inputs.{name}", arr, limits.vocab_size)
@@ -117,12 +117,12 @@ def datums_from_json(data: Sequence[w.Datum], limits: Limits) -> list[BusDatum]:
 
 def check_loss(loss_fn: str, config: dict[str, float | str], datums: Sequence[BusDatum]) -> None:
     if loss_fn not in LOSS_SPECS:
-        raise BadRequest(f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(sorted(LOSS_SPECS))}")
+        raise BadRequest(unsupported_loss_error(loss_fn))
     error = validate_loss_request(
         loss_fn,
         config,
         [d.num_tokens for d in datums],
-        [{name: int(np.prod(t.shape)) for name, t in d.inputs.items()} for d in datums],
+        [{name: tuple(t.shape) for name, t in d.inputs.items()} for d in datums],
     )
     if error is not None:
         raise BadRequest(error)

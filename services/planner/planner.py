@@ -19,8 +19,10 @@ Rules (see docs/semantics.md):
 - A window whose forward_backward failed (or was rejected, or whose seq_id was sealed) is
   poisoned: its optim_step discards the accumulated gradients (never a partial step) and fails,
   saying what to resubmit.
-- save_state (and load_state) with gradients pending is a user error; save_weights_for_sampler
-  neither applies nor discards them.
+- save_state and save_weights_for_sampler with gradients pending save the current weights (and
+  optimizer state) and neither apply nor discard the gradients: the next optim_step steps the
+  whole window. load_state with gradients pending is a user error (the gradients belong to the
+  weights it would replace).
 - Residency: a model holds an adapter slot only while it needs one. A create, or the next command
   of a paged-out model, takes the lowest free slot; with none free, the barrier that gives it a
   slot first pages out the least recently used resident model with nothing in flight (idle ones
@@ -81,10 +83,6 @@ from services.planner.streams import ModelStream, Pending
 
 PAUSED_CAPACITY = "paused_capacity"
 
-SAVE_WITH_PENDING_GRADS = (
-    "save_state while gradients are pending: forward_backward ran since the last optim_step; "
-    "call optim_step first, then save_state again"
-)
 LOAD_WITH_PENDING_GRADS = (
     "load_state while gradients are pending: forward_backward ran since the last optim_step; "
     "call optim_step first, then load_state again"
@@ -417,8 +415,6 @@ class Planner:
                     return StepSlot(model_id=mid, request_id=rid, slot=slot, adam=adam)
                 reason = f"the gradient window before optim_step seq_id {seq} is incomplete ({poison})"
                 return DiscardSlot(model_id=mid, request_id=rid, slot=slot, reason=reason)
-            case SaveWeights() if dirty:
-                return FailRequest(model_id=mid, request_id=rid, error=SAVE_WITH_PENDING_GRADS)
             case SaveWeights(name=name, ttl_s=ttl_s, user_metadata=metadata):
                 return SaveSlot(
                     model_id=mid,
@@ -505,7 +501,7 @@ class Planner:
                         pending.window, f"forward_backward seq_id {pending.command.seq_id} failed"
                     )
             else:
-                pending.outputs[index] = DatumResult(datum.logprobs, datum.loss)
+                pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k)
                 if pending.trains:
                     stream.mark_dirty(pending.window)
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from libs.contracts.common import AdamParams, LoraConfig
-from libs.contracts.loss_specs import resolve_config, validate_loss_request
+from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_request
 from services.trainer import slot_state
 from services.trainer.lora import AdapterPool
 from services.trainer.losses import LOSS_FNS
@@ -37,6 +37,7 @@ from services.trainer.packing import DatumInput, PackedBatch, pack
 from services.trainer.parallel import ensure_model_parallel, tp_all_gather
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
+from services.trainer.vocab import target_logprobs
 
 __all__ = [
     "AdamParams",
@@ -73,7 +74,7 @@ def resolve_backend(name: str, device: str) -> str:
 class DatumOutput:
     """One datum's result: target-token log-probabilities and its loss (a plain sum)."""
 
-    logprobs: np.ndarray  # float32[N]
+    logprobs: np.ndarray  # float32[N], or [N, K] for top-K targets
     loss: float
 
 
@@ -133,34 +134,53 @@ class TrainerEngine:
         if not datums:
             return []
         cfg = resolve_config(loss_fn, loss_config)
-        batch = pack(datums, self.device)
+        reads = set(LOSS_SPECS[loss_fn].inputs) - {"target_tokens"}  # ignored inputs never reach the loss
+        top_k = any(np.ndim(d.loss_inputs["target_tokens"]) == 2 for d in datums)
+        # Top-K targets: pack with the first column as labels, then score all K from the logits.
+        packed = [_first_column(d) for d in datums] if top_k else datums
+        batch = pack(packed, self.device)
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_mode, self._routed(batch):
-            token_loss = self.model(
-                batch.input_ids,
-                batch.position_ids,
-                None,
-                labels=batch.labels,
-                packed_seq_params=self._packed_params(batch),
-            )  # [1, T]: -log p(target)
-            lp = -token_loss[0].float()  # [T]
+            if top_k:
+                logits = self.model(
+                    batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
+                )[0]  # [T, vocab / tp]
+            else:
+                token_loss = self.model(
+                    batch.input_ids,
+                    batch.position_ids,
+                    None,
+                    labels=batch.labels,
+                    packed_seq_params=self._packed_params(batch),
+                )  # [1, T]: -log p(target)
+                lp_all = -token_loss[0].float()  # [T]
+            lps: list[torch.Tensor] = []
             losses: list[torch.Tensor] = []
             for j, index in enumerate(batch.order):
                 start, end = batch.bounds[j], batch.bounds[j + 1]
+                datum = datums[index]
+                if top_k:
+                    targets = torch.as_tensor(
+                        np.asarray(datum.loss_inputs["target_tokens"], dtype=np.int64), device=self.device
+                    )
+                    lp = target_logprobs(logits[start:end], targets.reshape(end - start, -1))  # [N, K]
+                    lp = lp if targets.ndim == 2 else lp[:, 0]
+                else:
+                    lp = lp_all[start:end]  # [N]
                 inputs = {
                     name: torch.as_tensor(np.asarray(value), dtype=torch.float32, device=self.device)
-                    for name, value in datums[index].loss_inputs.items()
-                    if name != "target_tokens"
+                    for name, value in datum.loss_inputs.items()
+                    if name in reads
                 }
-                losses.append(LOSS_FNS[loss_fn](lp[start:end], inputs, cfg))
+                lps.append(lp)
+                losses.append(LOSS_FNS[loss_fn](lp, inputs, cfg))
             if not forward_only:
                 torch.stack(losses).sum().backward()
                 self._pending.update(d.slot for d in datums)
         outputs: list[DatumOutput | None] = [None] * len(datums)
-        lp_np = lp.detach().cpu().numpy().astype(np.float32)
         for j, index in enumerate(batch.order):
-            start, end = batch.bounds[j], batch.bounds[j + 1]
-            outputs[index] = DatumOutput(lp_np[start:end].copy(), float(losses[j].detach()))
+            lp_np = lps[j].detach().cpu().numpy().astype(np.float32)
+            outputs[index] = DatumOutput(lp_np, float(losses[j].detach()))
         return [o for o in outputs if o is not None]
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
@@ -269,7 +289,7 @@ class TrainerEngine:
             loss_fn,
             loss_config,
             [d.num_tokens for d in datums],
-            [{k: int(np.asarray(v).size) for k, v in d.loss_inputs.items()} for d in datums],
+            [{k: tuple(np.shape(v)) for k, v in d.loss_inputs.items()} for d in datums],
         )
         if error is not None:
             raise ValueError(error)
@@ -283,3 +303,11 @@ class TrainerEngine:
             for name, value in datum.loss_inputs.items():
                 if name != "target_tokens" and not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
                     raise ValueError(f"data[{i}].loss_fn_inputs.{name} has non-finite values")
+
+
+def _first_column(datum: DatumInput) -> DatumInput:
+    """The datum with 1-D placeholder labels, for packing a top-K batch."""
+    targets = np.asarray(datum.loss_inputs["target_tokens"])
+    if targets.ndim == 1:
+        return datum
+    return DatumInput(datum.slot, datum.tokens, {"target_tokens": targets[:, 0]})

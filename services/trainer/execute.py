@@ -40,7 +40,7 @@ from libs.contracts.work import (
 )
 from libs.faults import crash_point
 from services.trainer.checkpoint_files import StorageError, write_checkpoint
-from services.trainer.engine import DatumInput, TrainerEngine
+from services.trainer.engine import DatumInput, DatumOutput, TrainerEngine
 from services.trainer.paging import Moved, PageStore
 from services.trainer.state_io import read_training_state
 
@@ -92,19 +92,13 @@ class Executor:
         try:
             outputs = self.engine.forward_backward(datums, unit.loss_fn, config, unit.forward_only)
             for item, out in zip(unit.items, outputs, strict=True):
-                results.append(
-                    DatumOutcome(item.request_id, item.index, out.logprobs.astype("<f4").tobytes(), out.loss)
-                )
+                results.append(_datum_outcome(item.request_id, item.index, out))
         except ValueError:
             # Isolate the bad datum(s): the others run alone, so one tenant's error never fails another's.
             for item, datum in zip(unit.items, datums, strict=True):
                 try:
                     out = self.engine.forward_backward([datum], unit.loss_fn, config, unit.forward_only)[0]
-                    results.append(
-                        DatumOutcome(
-                            item.request_id, item.index, out.logprobs.astype("<f4").tobytes(), out.loss
-                        )
-                    )
+                    results.append(_datum_outcome(item.request_id, item.index, out))
                 except ValueError as exc:
                     # The datum ran alone, so the engine calls it data[0]: name its place in the request.
                     error = str(exc).replace("data[0]", f"data[{item.index}]", 1)
@@ -174,11 +168,9 @@ class Executor:
         out = []
         for op in steps:
             report = reports[op.slot]
-            metrics = {
-                "grad_norm": report.grad_norm,
-                "learning_rate": op.adam.learning_rate,
-                "step": float(report.step),
-            }
+            # Keys the cookbook never writes itself: it logs its own `step` and `learning_rate`
+            # columns and merges these metrics over them (docs/semantics.md §5).
+            metrics = {"grad_norm": report.grad_norm, "optimizer_step": float(report.step)}
             if report.applied:
                 out.append(
                     OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=True, metrics=metrics)
@@ -252,6 +244,10 @@ class Executor:
         self.events.append(
             event(model_id=op.model_id, slot=op.slot, bytes=moved.nbytes, ms=moved.ms, where=moved.where, at_ns=now_ns())
         )
+
+def _datum_outcome(request_id: str, index: int, out: DatumOutput) -> DatumOutcome:
+    k = int(out.logprobs.shape[1]) if out.logprobs.ndim == 2 else 0
+    return DatumOutcome(request_id, index, out.logprobs.astype("<f4").tobytes(), out.loss, k=k)
 
 
 def _handed_off(op: SaveSlot | ExportSlot) -> OpOutcome:

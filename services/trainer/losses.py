@@ -5,18 +5,23 @@ Notation (per datum, tensors of length N): ``lp`` current log-probability of ``t
 ``weights``, ``r = exp(lp - q)``, ``sg`` stop-gradient.
 
     cross_entropy        -sum w*lp                       (w defaults to ones; any finite sign)
+                         top-K: lp, w are [N, K] (lp of each of the K target columns), so the
+                         loss is the sum of the K one-column losses
     importance_sampling  -sum r*A
     ppo                  -sum min(r*A, clip(r, lo, hi)*A)      lo 0.8, hi 1.2
     cispo                -sum sg(clip(r, lo, hi))*lp*A         lo 0.0, hi 4.0
     dro                  -sum [lp*A - 0.5*beta*(lp - q)^2]     beta 0.05
-    gspo (GSPO-token)    m = sequence_ratio_mask (default ones), M = max(sum m, 1)
+    gspo (GSPO-token)    m = sequence_ratio_mask (default: A != 0, which leaves out the prompt
+                         positions, whose advantages the cookbook and the docs pad with 0)
+                         M = max(sum m, 1)
                          log_s = sum m*(sg(lp) - q) / M        (0 when the mask is empty)
                          s_t = exp(log_s + lp_t - sg(lp_t))    (value s, gradient d lp_t)
                          -sum_t min(s_t*A_t, clip(s_t, lo, hi)*A_t)
 
 Invariant: no normalisation of any kind (not by token count, datum count or weight sum), so
 K chunked calls accumulate exactly the gradients of one call; normalising is the client's job.
-Inputs are assumed validated by ``libs.contracts.loss_specs.validate_loss_request``.
+Inputs are assumed validated by ``libs.contracts.loss_specs.validate_loss_request``, and hold
+only what the loss reads (the engine drops a spec's ``ignored_inputs``).
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ def dro(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, 
 
 def gspo(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]) -> torch.Tensor:
     mask = inputs.get("sequence_ratio_mask")
-    mask = torch.ones_like(lp) if mask is None else (mask != 0).to(lp.dtype)  # [N]
+    if mask is None:  # prompt positions carry advantage 0: they never enter the ratio
+        mask = inputs["advantages"]
+    mask = (mask != 0).to(lp.dtype)  # [N]
     count = mask.sum().clamp(min=1.0)
     log_s = (mask * (lp.detach() - inputs["logprobs"])).sum() / count  # []
     ratio = torch.exp(log_s + lp - lp.detach())  # [N]

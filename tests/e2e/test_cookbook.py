@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,10 +83,18 @@ def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: P
     asyncio.run(train.main(sl_config(stack, log_path, max_steps=4)))  # resumes from the step-2 state
     second = read_checkpoints(log_path)
     assert len(second) > 1 and second[-1]["state_path"] != mid["state_path"]
-    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trained = [r for r in rows if "train_mean_nll" in r]
-    assert len(trained) == 6  # 4 steps, then the 2 after the step-2 checkpoint again
-    before, after = trained[2:4], trained[4:]
+    # The step column is the cookbook's own (the server's optim_step metrics never overwrite it),
+    # so the resume drops the rows the first run logged past its step-2 checkpoint (keeping the
+    # file as it was beside it) and logs steps 2 and 3 again; the server's count of applied steps
+    # is its own key.
+    def trained_rows(name: str) -> list[dict[str, Any]]:
+        lines = (log_path / name).read_text().splitlines()
+        return [r for r in (json.loads(line) for line in lines if line.strip()) if "train_mean_nll" in r]
+
+    first_run, trained = trained_rows("metrics.jsonl.pre_resume_000002"), trained_rows("metrics.jsonl")
+    assert [r["step"] for r in first_run] == [r["step"] for r in trained] == [0, 1, 2, 3]
+    assert [r["optimizer_step"] for r in first_run] == [1.0, 2.0, 3.0, 4.0]
+    before, after = first_run[2:], trained[2:]
     assert [r["progress"] for r in after] == [0.75, 1.0]
     assert [r["num_tokens"] for r in after] == [r["num_tokens"] for r in before]  # the same batches
 

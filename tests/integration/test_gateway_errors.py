@@ -180,6 +180,30 @@ def test_token_ids_outside_the_vocabulary_through_the_sdk(stack: Stack) -> None:
     service.close("success").result()
 
 
+def test_custom_loss_is_a_400_and_forward_backward_custom_works(stack: Stack) -> None:
+    """loss_fn='custom' (a server-side custom loss) is refused at once with a message pointing at
+    forward_backward_custom, which then trains: its loss is the client's function of the logprobs."""
+    service = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-errors-custom")
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=2).result()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": tensor([2, 3, 4], "int64"), "weights": tensor([1.0, 1.0, 1.0], "float32")},
+        )
+    ]
+    with pytest.raises(tinker.BadRequestError, match="server-side custom losses") as refused:
+        training.forward_backward(data, "custom", loss_fn_config={"loss_id": "nope"}).result()
+    assert "forward_backward_custom" in str(refused.value)
+
+    def mean_nll(batch: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        loss = -sum(lp.sum() for lp in logprobs) / 3
+        return loss, {"mean_nll": float(loss)}
+
+    out = training.forward_backward_custom(data, mean_nll).result()
+    assert out.metrics["mean_nll"] > 0
+    service.close("success").result()
+
+
 def test_loss_inputs_missing_wrong_length_or_unread_are_400(alice: Api, model: str) -> None:
     missing = datum([1, 2, 3])
     del missing["loss_fn_inputs"]["target_tokens"]

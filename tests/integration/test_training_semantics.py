@@ -420,25 +420,62 @@ def test_non_finite_gradients_skip_the_step_and_say_so(stack: Stack, vocab: int)
     assert np.isfinite(moved[0]).all() and np.abs(moved[0] - before[0]).max() > 1e-3
 
 
-# --- (f) save_state with pending gradients; sampler saves leave them alone ---------------------
-def test_save_state_with_pending_gradients_is_a_user_error(stack: Stack, vocab: int) -> None:
-    training = new_model(stack, "saver", seed=6)
+# --- (f) save_state and sampler saves with pending gradients leave them for the next step -----
+def test_saves_with_pending_gradients_keep_them_for_the_next_optim_step(stack: Stack, vocab: int) -> None:
+    """save_state and save_weights_for_sampler in the middle of a window succeed and save the
+    weights as they were before the window; the window's optim_step then applies exactly the
+    gradients of a twin model that saved nothing (equal grad_norm, equal weights after)."""
     rng = np.random.default_rng(19)
-    training.forward_backward(batch(rng, vocab, (5,)), "cross_entropy").result()
-    with pytest.raises(tinker.RequestFailedError) as failed:
-        training.save_state("too-early").result()
-    assert failed.value.category == types.RequestErrorCategory.User
-    assert "save_state while gradients are pending" in failed.value.message
-    assert "call optim_step first" in failed.value.message
+    window = batch(rng, vocab, (5, 3))
+    probe = batch(rng, vocab, (4,))
+    saver, twin = new_model(stack, "saver", seed=6), new_model(stack, "saver", seed=6)
+    before = logprobs(saver.forward(probe, "cross_entropy").result())
+    for training in (saver, twin):
+        training.forward_backward(window, "cross_entropy").result()
+    saved = saver.save_state("mid-window").result()
+    assert saved.path.endswith("/weights/mid-window")
+    saver.save_weights_for_sampler("snapshot").result()
+    stepped = [t.optim_step(types.AdamParams(learning_rate=1e-2)).result() for t in (saver, twin)]
+    assert stepped[0].metrics is not None and stepped[1].metrics is not None
+    assert stepped[0].metrics["grad_norm"] > 0
+    assert stepped[0].metrics["grad_norm"] == stepped[1].metrics["grad_norm"]
+    after = [logprobs(t.forward(probe, "cross_entropy").result()) for t in (saver, twin)]
+    np.testing.assert_array_equal(after[0][0], after[1][0])
+    assert np.abs(after[0][0] - before[0]).max() > 1e-3
+    # The checkpoint holds the weights from before the window's step.
+    restored = service(stack, "saver").create_training_client_from_state(saved.path).result()
+    np.testing.assert_array_equal(logprobs(restored.forward(probe, "cross_entropy").result())[0], before[0])
 
-    # A sampler save neither applies nor discards them: save_state still refuses, the step applies.
-    training.save_weights_for_sampler("snapshot").result()
-    with pytest.raises(tinker.RequestFailedError):
-        training.save_state("still-too-early").result()
-    stepped = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert stepped.metrics is not None and stepped.metrics["grad_norm"] > 0
-    saved = training.save_state("after-step").result()
-    assert saved.path.endswith("/weights/after-step")
+
+# --- (g) top-K cross-entropy through the SDK --------------------------------------------------
+def test_top_k_cross_entropy_through_the_sdk(stack: Stack, vocab: int) -> None:
+    """(N, K) target_tokens and weights (mostly zero, as top-K distillation sends them) come back
+    as (N, K) logprobs whose columns are the one-column logprobs, and loss:sum is -sum w*lp of
+    them; the numerics against a float64 reference are services/trainer/tests/test_loss_surface.py."""
+    training = new_model(stack, "topk", seed=8)
+    rng = np.random.default_rng(23)
+    seq = tokens(rng, vocab, 7)
+    targets = rng.integers(0, vocab, (6, 3)).astype(np.int64)
+    weights = np.where(rng.random((6, 3)) < 0.6, 0.0, rng.uniform(0.1, 1.0, (6, 3))).astype(np.float32)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": td(targets), "weights": td(weights)},
+    )
+    out = training.forward_backward([datum], "cross_entropy").result()
+    (lp,) = logprobs(out)
+    assert lp.shape == (6, 3)
+    columns = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(seq[:-1]),
+            loss_fn_inputs={"target_tokens": td(targets[:, k].copy()), "weights": td(weights[:, k].copy())},
+        )
+        for k in range(3)
+    ]
+    singles = logprobs(training.forward(columns, "cross_entropy").result())
+    # Two fp32 computations (logits + log-sum-exp vs the fused cross-entropy) of the same logprobs.
+    np.testing.assert_allclose(lp, np.stack(singles, axis=1), rtol=0, atol=1e-4)
+    expected = -float((weights.astype(np.float64) * lp.astype(np.float64)).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
 # --- create_model waits for a free slot ---------------------------------------------------------

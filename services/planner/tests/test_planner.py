@@ -27,7 +27,6 @@ from libs.contracts.work import (
 )
 from services.planner.planner import (
     LOAD_WITH_PENDING_GRADS,
-    SAVE_WITH_PENDING_GRADS,
     CommandArrived,
     OutcomeArrived,
     Planner,
@@ -154,7 +153,7 @@ def test_optim_barriers_of_several_models_merge_save_does_not() -> None:
     sim.send(optim("a", 2), save("c", 2), optim("b", 2))
     sim.send(optim("c", 3))
     units = sim.plan()
-    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [FailRequest]]  # c's save: grads pending
+    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [SaveSlot]]  # c's save runs alone
     assert isinstance(units[0], BarrierUnit)
     assert [op.model_id for op in units[0].ops] == ["a", "b"]
     for unit in units:
@@ -294,9 +293,12 @@ def test_a_rejected_optim_step_does_not_end_the_window() -> None:
     [unit] = sim.plan()
     assert rows(unit) == [("a:1", 0), ("a:3", 0)]  # one window across the refused step
     sim.finish(unit)
-    sim.send(save("a", 4))
+    from libs.contracts.requests import CheckpointRef, LoadWeights
+
+    ref = CheckpointRef(tinker_path="tinker://x/weights/y", directory="/nowhere", with_optimizer=True)
+    sim.send(LoadWeights(model_id="a", seq_id=4, request_id="a:4", restore=ref))
     [unit] = sim.plan()
-    assert ops(unit) == [FailRequest]
+    assert ops(unit) == [FailRequest]  # the window still holds gradients
     sim.finish(unit)
     sim.send(optim("a", 5))
     sim.run()
@@ -339,17 +341,14 @@ def test_a_redelivered_outcome_has_no_effect() -> None:
 
 
 # --- save / sampler save / load ----------------------------------------------------------------
-def test_save_state_with_pending_gradients_is_a_user_error() -> None:
+def test_save_state_with_pending_gradients_saves_and_leaves_the_window_open() -> None:
+    """save_state in the middle of a window becomes a SaveSlot (answered by the publisher), and
+    the window's optim_step that follows still steps it."""
     sim = started("a")
-    sim.send(fb("a", 1, [2]), save("a", 2))
+    sim.send(fb("a", 1, [2]), save("a", 2), optim("a", 3))
     sim.run()
-    assert ops(sim.units[-1]) == [FailRequest]
-    failure = sim.failure("a:2")
-    assert (failure.error, failure.category) == (SAVE_WITH_PENDING_GRADS, "user")
-    sim.send(optim("a", 3), save("a", 4))
-    sim.run()
-    assert [ops(u) for u in sim.units[-2:]] == [[StepSlot], [SaveSlot]]
-    assert sim.result("a:4") is None  # the publisher answers it
+    assert [ops(u) for u in sim.units[-2:]] == [[SaveSlot], [StepSlot]]
+    assert sim.result("a:2") is None  # the publisher answers it
 
 
 def test_save_state_after_a_forward_only_pass_is_fine() -> None:

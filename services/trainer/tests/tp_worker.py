@@ -22,7 +22,8 @@ HP = AdamParams(learning_rate=1e-2, eps=1.0, weight_decay=0.01, grad_clip_norm=2
 
 
 def scenario(engine: TrainerEngine) -> dict[str, Any]:
-    """Two slots, two steps (cross_entropy, then ppo), packed mixed batches; returns everything."""
+    """Two slots, three steps (cross_entropy, ppo, then top-K cross_entropy with K = 3: the
+    vocab-parallel log-sum-exp path), packed mixed batches; returns everything."""
     engine.init_slot(0, LoraConfig(rank=4, seed=1))
     engine.init_slot(2, LoraConfig(rank=2, seed=2, train_mlp=False))
     rng = np.random.default_rng(0)
@@ -50,11 +51,24 @@ def scenario(engine: TrainerEngine) -> dict[str, Any]:
     ]
     second = engine.forward_backward(policy, "ppo")
     reports.append(engine.optim_step({0: HP, 2: HP}))
+    top_k = [
+        DatumInput(
+            d.slot,
+            d.tokens,
+            {
+                "target_tokens": rng.integers(0, 2048, (d.num_tokens, 3)),
+                "weights": rng.normal(size=(d.num_tokens, 3)).astype(np.float32),
+            },
+        )
+        for d in datums
+    ]
+    third = engine.forward_backward(top_k, "cross_entropy")
+    reports.append(engine.optim_step({0: HP, 2: HP}))
     states = {slot: engine.get_slot_state(slot) for slot in (0, 2)}
     peft = engine.export_peft(0)[0]
     return {
-        "logprobs": [o.logprobs for o in first + second],
-        "losses": [o.loss for o in first + second],
+        "logprobs": [o.logprobs for o in first + second + third],
+        "losses": [o.loss for o in first + second + third],
         "grad_norms": [r[s].grad_norm for r in reports for s in (0, 2)],
         "adapters": {s: st.adapter for s, st in states.items()},
         "exp_avg_sq": {s: st.exp_avg_sq for s, st in states.items()},
