@@ -19,6 +19,9 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     user_metadata: dict[str, object] | None = None
     sdk_version: str = ""
     finished: bool = False
+    finish_reason: str | None = None  # "success" | "errored" | "interrupted", from the finish call
+    project_id: str | None = None  # from create_session or assign_session_project
+    display_name: str | None = None
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -31,6 +34,7 @@ class ModelRecord(msgspec.Struct, kw_only=True):
     create_request_id: str
     user_metadata: dict[str, object] | None = None
     unloaded: bool = False
+    copy_of: str | None = None  # a run made by copy_weights: holds the copy, cannot be trained on
 
 
 class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):

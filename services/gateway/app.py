@@ -9,6 +9,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import lifespan, provide_gateway, provide_tenant
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.routes import (
+    admin,
     bootstrap,
     catalog,
     futures,
@@ -21,7 +22,7 @@ from services.gateway.routes import (
 )
 from services.gateway.tracing_mw import trace_requests
 
-ROUTE_MODULES = (bootstrap, training, weights, futures, sampling, catalog, sessions, unsupported, operator)
+ROUTE_MODULES = (bootstrap, training, weights, futures, sampling, catalog, sessions, admin, unsupported, operator)
 
 
 def create_app(config: GatewayConfig) -> Litestar:

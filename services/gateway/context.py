@@ -19,6 +19,7 @@ from infra.bus import Bus
 from infra.streams import ensure_streams
 from libs.contracts.results import RequestResult
 from libs.models.registry import ResolvedModel, resolve_base_model
+from services.gateway import jwt_auth
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
@@ -109,4 +110,8 @@ async def provide_gateway(request: Request) -> Gateway:  # type: ignore[type-arg
 
 
 async def provide_tenant(request: Request) -> Tenant:  # type: ignore[type-arg]
-    return gateway_of(request).keys.authenticate(request.headers.get("x-api-key"))
+    gateway = gateway_of(request)
+    credential = request.headers.get("x-api-key")
+    if jwt_auth.looks_like_jwt(credential):  # a JWT from POST /api/v1/auth/token
+        return jwt_auth.verify(credential or "", gateway.signing_secret)
+    return gateway.keys.authenticate(credential)

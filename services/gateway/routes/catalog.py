@@ -39,6 +39,7 @@ from services.gateway.catalog import (
 )
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, NotFound
+from services.gateway.routes.admin import audit
 
 AnyRequest = Request[Any, Any, Any]
 RUN = "/api/v1/training_runs/{run_id:str}"
@@ -91,11 +92,14 @@ async def list_user_checkpoints(
 async def delete_checkpoint(
     run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> dict[str, str]:
-    """Catalogue entry, public name and version directories; deleting twice is not an error."""
+    """Catalogue entry, public name and version directories; a checkpoint that does not exist
+    (never did, or was deleted already) is a 404, as on the hosted service."""
     key, record = await owned_checkpoint(gateway, tenant, run_id, f"{segment}/{name}")
-    if record is not None:
-        await gateway.store.delete(s.KV_CHECKPOINTS, key)
-        await asyncio.to_thread(delete_files, gateway.data_dir, record)
+    if record is None:
+        raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+    await gateway.store.delete(s.KV_CHECKPOINTS, key)
+    await asyncio.to_thread(delete_files, gateway.data_dir, record)
+    audit(gateway, tenant, "checkpoint", "deleted", record.tinker_path)
     return {"status": "deleted"}
 
 
@@ -108,6 +112,7 @@ async def _set_public(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+    audit(gateway, tenant, "checkpoint", "published" if public else "unpublished", changed.tinker_path)
 
 
 @post(CHECKPOINT + "/publish", status_code=200, operation_id="publish_checkpoint")
@@ -140,6 +145,7 @@ async def set_checkpoint_ttl(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+    audit(gateway, tenant, "checkpoint", "ttl_set", changed.tinker_path, ttl_seconds=str(data.ttl_seconds))
     view = checkpoint_view(changed)
     return {"expires_at": view.expires_at.isoformat() if view.expires_at else None}
 
@@ -176,6 +182,7 @@ async def external_weights_urls(
     urls = downloads.sign_files(
         _base_url(gateway, request), gateway.signing_secret, gateway.data_dir, Path(record.directory), expires
     )
+    audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ExternalWeightsUrlsResponse(urls=urls, expires=at(expires * 1_000_000_000))
 
 
@@ -188,6 +195,7 @@ async def checkpoint_archive(
     expires = _expiry()
     relative = str(Path(record.directory).relative_to(gateway.data_dir))
     url = downloads.signed_url(_base_url(gateway, request), gateway.signing_secret, relative, expires)
+    audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ArchiveUrlResponse(url=url, expires=at(expires * 1_000_000_000))
 
 
