@@ -377,8 +377,9 @@ class TrainerService:
             report = reports[op.slot]
             metrics = {
                 "grad_norm": report.grad_norm,
-                "learning_rate": op.adam.learning_rate,
-                "step": float(report.step),
+                # not "learning_rate"/"step": the cookbook merges these into its own metrics row
+                "optim/learning_rate": op.adam.learning_rate,
+                "optim/step": float(report.step),
             }
             if report.applied:
                 out.append(

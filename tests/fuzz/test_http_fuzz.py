@@ -245,5 +245,5 @@ def test_the_stack_is_healthy_after_the_fuzz(stack: Stack) -> None:
     out = trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
     assert out.metrics is not None and math.isfinite(out.metrics["loss:sum"])
     stepped = trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
-    assert stepped.metrics is not None and stepped.metrics["step"] == 1
+    assert stepped.metrics is not None and stepped.metrics["optim/step"] == 1
 

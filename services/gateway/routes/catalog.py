@@ -29,6 +29,7 @@ from services.gateway.catalog import (
     check_page,
     checkpoint_view,
     delete_files,
+    knows_external,
     last_request_ns,
     owned_checkpoint,
     readable_checkpoint,
@@ -68,22 +69,26 @@ async def get_training_run(
 
 
 @get(RUN + "/checkpoints", operation_id="list_run_checkpoints")
-async def list_run_checkpoints(run_id: str, gateway: Gateway, tenant: Tenant) -> w.CheckpointsListResponse:
+async def list_run_checkpoints(
+    request: AnyRequest, run_id: str, gateway: Gateway, tenant: Tenant
+) -> w.CheckpointsListResponse:
     run = await visible_run(gateway, tenant, run_id, accessible=True)
     records = await run_checkpoints(gateway, run_id)
     mine = run.model_owner == tenant.id
-    views = [checkpoint_view(r) for r in records if mine or r.public]
+    external = knows_external(request.headers)
+    views = [checkpoint_view(r, external) for r in records if mine or r.public]
     return w.CheckpointsListResponse(checkpoints=views)
 
 
 @get("/api/v1/checkpoints", operation_id="list_user_checkpoints")
 async def list_user_checkpoints(
-    gateway: Gateway, tenant: Tenant, limit: int = 100, offset: int = 0
+    request: AnyRequest, gateway: Gateway, tenant: Tenant, limit: int = 100, offset: int = 0
 ) -> w.CheckpointsListResponse:
     check_page(limit, offset)
     found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord)
     mine = sorted((r for _, r in found if r.tenant == tenant.id), key=lambda r: r.created_ns, reverse=True)
-    views = [checkpoint_view(r) for r in mine[offset : offset + limit]]
+    external = knows_external(request.headers)
+    views = [checkpoint_view(r, external) for r in mine[offset : offset + limit]]
     cursor = w.Cursor(offset=offset, limit=limit, total_count=len(mine))
     return w.CheckpointsListResponse(checkpoints=views, cursor=cursor)
 
