@@ -137,7 +137,7 @@ def audit_entries(
     events: Iterable[OperationEvent], tenant: str, event_type: str, start_ns: int, end_ns: int
 ) -> list[a.AuditLogEntry]:
     """Who did what to the tenant's checkpoints and projects (and, under "all", sessions)."""
-    entries = []
+    entries: list[tuple[int, a.AuditLogEntry]] = []
     for event in events:
         if event.tenant != tenant or not start_ns <= event.at_ns < end_ns:
             continue
@@ -175,9 +175,9 @@ def audit_entries(
                 details["reason"] = reason
             entry = a.AuditLogEntry(timestamp=at(event.at_ns), event=f"session_{what}", event_details=details)
         if entry is not None:
-            entries.append(entry)
-    entries.sort(key=lambda e: e.timestamp)
-    return entries
+            entries.append((event.at_ns, entry))
+    entries.sort(key=lambda pair: pair[0])
+    return [entry for _, entry in entries]
 
 
 # --- session timelines --------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from services.gateway.errors import BadRequest
 from services.gateway.routes.training import _create
 from services.gateway.submit import check_seq, fingerprint_json, owned_model, sequenced
 
-
 FIRST_SEQ = 1
 """The seq_id of a model's first request after its create (seq_id 0)."""
 
