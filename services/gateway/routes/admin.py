@@ -69,12 +69,15 @@ async def read_events(gateway: Gateway) -> list[OperationEvent]:
     return events
 
 
-def audit(gateway: Gateway, tenant: Tenant, resource: str, action: str, subject: str, **details: str) -> None:
-    """Record who did what (off the request's critical path)."""
+async def audit(
+    gateway: Gateway, tenant: Tenant, resource: str, action: str, subject: str, **details: str
+) -> None:
+    """Record who did what; awaited, so the audit log shows a change once its call has returned
+    (an event-log outage costs the entry, never the operation: `Bus.emit` only logs)."""
     model_id = ""
     if subject.startswith(SCHEME):
         model_id = subject[len(SCHEME) :].split("/", 1)[0]
-    gateway.bus.emit_soon(
+    await gateway.bus.emit(
         Audited(
             resource=resource,
             action=action,
@@ -416,7 +419,7 @@ async def copy_weights(
         adapter_name=source.adapter_name,
     )
     await gateway.store.create(s.KV_CHECKPOINTS, checkpoint_key(run_id, source.kind, source.name), record, CheckpointRecord)
-    audit(gateway, tenant, "checkpoint", "copied", path, source=source.tinker_path)
+    await audit(gateway, tenant, "checkpoint", "copied", path, source=source.tinker_path)
     return a.CopyWeightsResponse(tinker_path=path)
 
 

@@ -104,7 +104,7 @@ async def delete_checkpoint(
         raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
     await gateway.store.delete(s.KV_CHECKPOINTS, key)
     await asyncio.to_thread(delete_files, gateway.data_dir, record)
-    audit(gateway, tenant, "checkpoint", "deleted", record.tinker_path)
+    await audit(gateway, tenant, "checkpoint", "deleted", record.tinker_path)
     return {"status": "deleted"}
 
 
@@ -117,7 +117,7 @@ async def _set_public(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
-    audit(gateway, tenant, "checkpoint", "published" if public else "unpublished", changed.tinker_path)
+    await audit(gateway, tenant, "checkpoint", "published" if public else "unpublished", changed.tinker_path)
 
 
 @post(CHECKPOINT + "/publish", status_code=200, operation_id="publish_checkpoint")
@@ -150,7 +150,7 @@ async def set_checkpoint_ttl(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
-    audit(gateway, tenant, "checkpoint", "ttl_set", changed.tinker_path, ttl_seconds=str(data.ttl_seconds))
+    await audit(gateway, tenant, "checkpoint", "ttl_set", changed.tinker_path, ttl_seconds=str(data.ttl_seconds))
     view = checkpoint_view(changed)
     return {"expires_at": view.expires_at.isoformat() if view.expires_at else None}
 
@@ -187,7 +187,7 @@ async def external_weights_urls(
     urls = downloads.sign_files(
         _base_url(gateway, request), gateway.signing_secret, gateway.data_dir, Path(record.directory), expires
     )
-    audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
+    await audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ExternalWeightsUrlsResponse(urls=urls, expires=at(expires * 1_000_000_000))
 
 
@@ -200,7 +200,7 @@ async def checkpoint_archive(
     expires = _expiry()
     relative = str(Path(record.directory).relative_to(gateway.data_dir))
     url = downloads.signed_url(_base_url(gateway, request), gateway.signing_secret, relative, expires)
-    audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
+    await audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ArchiveUrlResponse(url=url, expires=at(expires * 1_000_000_000))
 
 

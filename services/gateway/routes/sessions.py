@@ -59,7 +59,7 @@ async def assign_session_project(
         SessionRecord,
         lambda r: msgspec.structs.replace(r, project_id=data.project_id),
     )
-    audit(gateway, tenant, "project", "session_assigned", session_id, project_id=data.project_id)
+    await audit(gateway, tenant, "project", "session_assigned", session_id, project_id=data.project_id)
     return {"session_id": session_id, "project_id": data.project_id}
 
 
