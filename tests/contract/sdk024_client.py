@@ -30,6 +30,17 @@ CLASSES = [tinker.ServiceClient, tinker.TrainingClient, tinker.SamplingClient, R
 called: set[str] = set()
 verified: set[str] = set()
 
+try:
+    import torch  # noqa: F401
+
+    HAS_TORCH = True
+except ImportError:
+    HAS_TORCH = False
+CLIENT_SIDE_ONLY = {"TrainingClient.forward_backward_custom", "TrainingClient.forward_backward_custom_async"}
+"""Run entirely in the client (torch computes the loss, then a plain forward_backward goes out):
+they need torch in this interpreter, which `.venv-sdk024` lacks. The 0.38 run covers them; here
+they are skipped, and reported as such, when torch is absent."""
+
 
 def public_methods(cls: type) -> list[str]:
     return sorted(n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v))
@@ -113,8 +124,9 @@ def training_and_sampling(service: tinker.ServiceClient, seen: dict[str, Any]) -
     check(f"{C}.forward_backward", "loss:sum" in fwdbwd.metrics and len(fwdbwd.loss_fn_outputs) == 2)
     forward = training.forward(DATA, "cross_entropy").result()
     check(f"{C}.forward", len(forward.loss_fn_outputs[0]["logprobs"].data) == 4)
-    custom = training.forward_backward_custom(DATA, lambda d, lps: (-sum(lp.sum() for lp in lps), {"n:sum": 1.0})).result()
-    check(f"{C}.forward_backward_custom", len(custom.loss_fn_outputs) == 2)
+    if HAS_TORCH:
+        custom = training.forward_backward_custom(DATA, lambda d, lps: (-sum(lp.sum() for lp in lps), {})).result()
+        check(f"{C}.forward_backward_custom", len(custom.loss_fn_outputs) == 2)
     stepped = training.optim_step(ADAM).result()
     check(f"{C}.optim_step", stepped.metrics is not None and stepped.metrics["optim/step"] == 1)
     state = training.save_state("state024").result().path
@@ -189,8 +201,9 @@ async def async_variants(service: tinker.ServiceClient, made: dict[str, Any]) ->
     check(f"{C}.get_info_async", (await training.get_info_async()).model_id == training.model_id)
     check(f"{C}.forward_backward_async", (await settle(training.forward_backward_async(DATA, "cross_entropy"))).metrics["loss:sum"] > 0)
     check(f"{C}.forward_async", len((await settle(training.forward_async(DATA, "cross_entropy"))).loss_fn_outputs) == 2)
-    custom = await settle(training.forward_backward_custom_async(DATA, lambda d, lps: (-sum(lp.sum() for lp in lps), {})))
-    check(f"{C}.forward_backward_custom_async", len(custom.loss_fn_outputs) == 2)
+    if HAS_TORCH:
+        custom = await settle(training.forward_backward_custom_async(DATA, lambda d, lps: (-sum(lp.sum() for lp in lps), {})))
+        check(f"{C}.forward_backward_custom_async", len(custom.loss_fn_outputs) == 2)
     check(f"{C}.optim_step_async", (await settle(training.optim_step_async(ADAM))).metrics["optim/step"] == 2)
     check(f"{C}.save_state_async", (await settle(training.save_state_async("state024b"))).path.endswith("/weights/state024b"))
     check(f"{C}.save_weights_for_sampler_async", (await settle(training.save_weights_for_sampler_async("sampler024b"))).path.endswith("/sampler_weights/sampler024b"))
@@ -273,7 +286,7 @@ def rest_methods(service: tinker.ServiceClient, base_url: str, key: str, other_k
     url = rc.export_session_trace(session_id).result()
     check(f"{R}.export_session_trace", httpx.get(url).content[:1] == b"\x0a")  # Trace.packet, length-delimited
     me = rc.whoami().result()
-    check(f"{R}.whoami", me.org_urn == f"tml:organization:{tenant}")
+    check(f"{R}.whoami", me.user_urn.startswith(f"tml:org-user:{tenant}:") and me.email is None)
     seen["checkpoints"] = sorted(c.checkpoint_id for c in listed.checkpoints)
 
     async def run_async() -> None:
@@ -310,7 +323,10 @@ def rest_methods(service: tinker.ServiceClient, base_url: str, key: str, other_k
         usage = await rc.get_billing_usage_async(start, end)
         check(f"{R}.assign_session_project_async", {r.project_id for r in usage.data if r.session_id == session_id} == {"proj-024b"})
         check(f"{R}.get_billing_usage_async", usage.data)
-        check(f"{R}.get_audit_log_async", (await rc.get_audit_log_async()).entries)
+        # 0.24.1's get_audit_log_async talks to its client directly (unlike the other _async
+        # methods), so it only works on the SDK's own event loop: run it there.
+        on_sdk_loop = asyncio.run_coroutine_threadsafe(rc.get_audit_log_async(), service.holder.get_loop())
+        check(f"{R}.get_audit_log_async", (await asyncio.wrap_future(on_sdk_loop)).entries)
         url = await rc.export_session_trace_async(session_id)
         check(f"{R}.export_session_trace_async", httpx.get(url).status_code == 200)
 
@@ -326,7 +342,9 @@ def main(base_url: str, api_key: str, other_key: str) -> dict[str, Any]:
     rest_methods(service, base_url, api_key, other_key, made, seen)
     surface = {f"{cls.__name__}.{name}" for cls in CLASSES for name in public_methods(cls)}
     seen["surface"] = len(surface)
-    seen["unverified"] = sorted(surface - (called & verified))
+    skipped = set() if HAS_TORCH else CLIENT_SIDE_ONLY
+    seen["unverified"] = sorted(surface - (called & verified) - skipped)
+    seen["skipped_without_torch"] = sorted(skipped)
     return seen
 
 
