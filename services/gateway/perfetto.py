@@ -109,7 +109,7 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def fields(data: bytes) -> list[tuple[int, int | bytes]]:
     """(field number, varint value or length-delimited bytes) of one message, in order."""
-    pos, found = 0, []
+    pos, found = 0, list[tuple[int, int | bytes]]()
     while pos < len(data):
         key, pos = _read_varint(data, pos)
         number, wire = key >> 3, key & 7

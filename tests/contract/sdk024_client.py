@@ -26,6 +26,9 @@ import tinker
 from tinker import types
 from tinker.lib.public_interfaces.rest_client import RestClient
 
+# mypy checks this file against the SDK of the main environment (0.38); names only 0.24.1 has, and
+# its looser types, are reached through `Any` below.
+
 CLASSES = [tinker.ServiceClient, tinker.TrainingClient, tinker.SamplingClient, RestClient]
 called: set[str] = set()
 verified: set[str] = set()
@@ -106,6 +109,11 @@ PARAMS = types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
 ADAM = types.AdamParams(learning_rate=1e-3)
 
 
+def step_of(response: types.OptimStepResponse) -> float:
+    assert response.metrics is not None, "optim_step returned no metrics"
+    return response.metrics["optim/step"]
+
+
 def hour_window() -> tuple[str, str]:
     hour = dt.datetime.now(dt.UTC).replace(minute=0, second=0, microsecond=0) - dt.timedelta(hours=1)
     return hour.isoformat(), (hour + dt.timedelta(hours=3)).isoformat()
@@ -146,7 +154,7 @@ def training_and_sampling(service: tinker.ServiceClient, seen: dict[str, Any]) -
 
     logs: list[str] = []
     handler = logging.Handler()
-    handler.emit = lambda r: logs.append(r.getMessage())  # type: ignore[method-assign]
+    handler.emit = lambda record: logs.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("tinker").addHandler(handler)
     sampler.on_queue_state_change(QueueState.PAUSED_CAPACITY, "a test")
     check("SamplingClient.on_queue_state_change", any("a test" in line for line in logs))
@@ -172,10 +180,10 @@ def training_and_sampling(service: tinker.ServiceClient, seen: dict[str, Any]) -
     with_opt = service.create_lora_training_client(base_model="tiny-qwen3", rank=4)
     with_opt.load_state_with_optimizer(state).result()
     with_opt.forward_backward(DATA, "cross_entropy").result()
-    check(f"{C}.load_state_with_optimizer", with_opt.optim_step(ADAM).result().metrics["optim/step"] == 2)
+    check(f"{C}.load_state_with_optimizer", step_of(with_opt.optim_step(ADAM).result()) == 2)
     resumed_opt = service.create_training_client_from_state_with_optimizer(state)
     resumed_opt.forward_backward(DATA, "cross_entropy").result()
-    check("ServiceClient.create_training_client_from_state_with_optimizer", resumed_opt.optim_step(ADAM).result().metrics["optim/step"] == 2)
+    check("ServiceClient.create_training_client_from_state_with_optimizer", step_of(resumed_opt.optim_step(ADAM).result()) == 2)
     resumed_fwdbwd = resumed.forward_backward(DATA, "cross_entropy").result()
     seen.update(
         fwdbwd_metrics=fwdbwd.metrics,
@@ -233,6 +241,7 @@ async def async_variants(service: tinker.ServiceClient, made: dict[str, Any]) ->
 def rest_methods(service: tinker.ServiceClient, base_url: str, key: str, other_key: str, made: dict[str, Any], seen: dict[str, Any]) -> None:
     R = "RestClient"
     rc = service.create_rest_client()
+    rc_any: Any = rc
     other = tinker.ServiceClient(base_url=base_url, api_key=other_key).create_rest_client()
     check("ServiceClient.create_rest_client", rc.get_telemetry() is None)
     check(f"{R}.get_telemetry", rc.get_telemetry() is None)
@@ -248,9 +257,9 @@ def rest_methods(service: tinker.ServiceClient, base_url: str, key: str, other_k
     mine = rc.list_user_checkpoints(limit=1000).result()  # holds an external export made by SDK 0.38
     kinds = {c.checkpoint_id.split("/")[0]: c.checkpoint_type for c in mine.checkpoints}
     check(f"{R}.list_user_checkpoints", state in {c.tinker_path for c in mine.checkpoints} and kinds.get("external_weights") == "sampler")
-    archive = rc.get_checkpoint_archive_url(run_id, "weights/state024").result()
+    archive = rc_any.get_checkpoint_archive_url(run_id, "weights/state024").result()
     check(f"{R}.get_checkpoint_archive_url", httpx.get(archive.url).status_code == 200)
-    by_path = rc.get_checkpoint_archive_url_from_tinker_path(sampler_path).result()
+    by_path = rc_any.get_checkpoint_archive_url_from_tinker_path(sampler_path).result()
     check(f"{R}.get_checkpoint_archive_url_from_tinker_path", httpx.get(by_path.url).content[:100])
     rc.publish_checkpoint_from_tinker_path(sampler_path).result()
     check(f"{R}.publish_checkpoint_from_tinker_path", other.get_weights_info_by_tinker_path(sampler_path).result().lora_rank == 4)
@@ -295,8 +304,8 @@ def rest_methods(service: tinker.ServiceClient, base_url: str, key: str, other_k
         check(f"{R}.get_training_run_by_tinker_path_async", (await rc.get_training_run_by_tinker_path_async(state)).training_run_id == run_id)
         check(f"{R}.list_checkpoints_async", (await rc.list_checkpoints_async(run_id)).checkpoints)
         check(f"{R}.list_user_checkpoints_async", (await rc.list_user_checkpoints_async()).checkpoints)
-        check(f"{R}.get_checkpoint_archive_url_async", (await rc.get_checkpoint_archive_url_async(run_id, "weights/state024")).url)
-        check(f"{R}.get_checkpoint_archive_url_from_tinker_path_async", (await rc.get_checkpoint_archive_url_from_tinker_path_async(state)).url)
+        check(f"{R}.get_checkpoint_archive_url_async", (await rc_any.get_checkpoint_archive_url_async(run_id, "weights/state024")).url)
+        check(f"{R}.get_checkpoint_archive_url_from_tinker_path_async", (await rc_any.get_checkpoint_archive_url_from_tinker_path_async(state)).url)
         await rc.publish_checkpoint_from_tinker_path_async(sampler_path)
         check(f"{R}.publish_checkpoint_from_tinker_path_async", other.get_weights_info_by_tinker_path(sampler_path).result().lora_rank == 4)
         await rc.unpublish_checkpoint_from_tinker_path_async(sampler_path)

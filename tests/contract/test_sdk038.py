@@ -405,6 +405,7 @@ def perfetto_packets(trace: bytes) -> list[dict[int, Any]]:
         pos, out = 0, []
         while pos < len(data):
             key, pos = varint(data, pos)
+            value: int | bytes
             if key & 7 == 0:
                 value, pos = varint(data, pos)
             else:
@@ -610,11 +611,10 @@ def test_cli_checkpoint_list_and_download(stack: Stack, tmp_path: Path) -> None:
 def test_cli_checkpoint_info_publish_ttl_delete(stack: Stack) -> None:
     info = cli_json(stack, "checkpoint", "info", S.state_path)
     assert S.state_path in json.dumps(info)
-    for args in (("publish", S.sampler_path),):
-        assert cli(stack, "checkpoint", *args).returncode == 0
+    assert cli(stack, "checkpoint", "publish", S.sampler_path).returncode == 0
     assert rest(stack, OTHER_KEY).get_weights_info_by_tinker_path(S.sampler_path).result().lora_rank == 4
-    for args in (("unpublish", S.sampler_path), ("set-ttl", S.sampler_path, "--ttl", "7200")):
-        assert cli(stack, "checkpoint", *args).returncode == 0
+    assert cli(stack, "checkpoint", "unpublish", S.sampler_path).returncode == 0
+    assert cli(stack, "checkpoint", "set-ttl", S.sampler_path, "--ttl", "7200").returncode == 0
     with pytest.raises(tinker.NotFoundError):
         rest(stack, OTHER_KEY).get_weights_info_by_tinker_path(S.sampler_path).result()
     listed = {c.tinker_path: c for c in rest(stack).list_checkpoints(S.training.model_id).result().checkpoints}

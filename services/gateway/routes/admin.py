@@ -238,9 +238,11 @@ async def search_sessions(
         after = (int(data.cursor.last_created_at.timestamp() * 1e9), data.cursor.last_session_id)
         found = [r for r in found if (r.created_ns, r.session_id) < after]
     checkpoints: dict[str, list[int]] = {}
-    for _, record in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
-        if record.tenant == tenant.id:
-            checkpoints.setdefault(metering.session_of(record.training_run_id) or "", []).append(record.size_bytes)
+    for _, checkpoint in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
+        if checkpoint.tenant == tenant.id:
+            checkpoints.setdefault(metering.session_of(checkpoint.training_run_id) or "", []).append(
+                checkpoint.size_bytes
+            )
     page: list[a.SessionSummary] = []
     last: SessionRecord | None = None
     for record in found:

@@ -4,12 +4,14 @@ Perfetto encoding, JWTs, the SDK-version gate on checkpoint kinds, and the token
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from libs.contracts.common import LoraSpec
 from libs.contracts.events import (
     Audited,
+    OperationEvent,
     RequestAccepted,
     RequestCompleted,
     RequestFailed,
@@ -50,7 +52,7 @@ def sample(req: str, prompt: int, sampled: int, cached: int, at: int) -> Request
 
 
 def test_usage_counts_each_request_once_by_hour_type_and_session() -> None:
-    events = [
+    events: list[OperationEvent] = [
         accepted("s-a:train:0:1", 10, T0 + 5),
         accepted("s-a:train:0:1", 10, T0 + 6),  # the same request seen twice counts once
         accepted("s-a:train:0:2", 7, T0 + H + 1, kind="forward"),
@@ -85,7 +87,7 @@ def test_usage_counts_each_request_once_by_hour_type_and_session() -> None:
 
 
 def test_audit_entries_filter_by_type_tenant_and_day() -> None:
-    events = [
+    events: list[OperationEvent] = [
         Audited(resource="checkpoint", action="deleted", subject="tinker://s-a:train:0/weights/w", actor="k1",
                 tenant="t1", model_id="s-a:train:0", at_ns=T0 + 3),
         Audited(resource="project", action="session_assigned", subject="s-a", actor="k1",
@@ -107,7 +109,7 @@ def test_audit_entries_filter_by_type_tenant_and_day() -> None:
 
 
 def test_session_timeline_is_one_slice_per_request_on_its_runs_track() -> None:
-    events = [
+    events: list[OperationEvent] = [
         SessionEvent(session_id="s-a", what="created", tenant="t1", at_ns=T0),
         accepted("s-a:train:0:1", 10, T0 + 100),
         RequestCompleted(kind="forward_backward", duration_ms=0.0, tenant="t1", model_id="s-a:train:0",
@@ -132,7 +134,10 @@ def test_perfetto_trace_decodes_to_tracks_and_matched_slices() -> None:
         "t1",
         "s-a",
     )
-    packets = [dict(perfetto.fields(body)) for number, body in perfetto.fields(perfetto.encode("s-a", slices))]
+    packets: list[dict[int, Any]] = [
+        dict(perfetto.fields(body))  # type: ignore[arg-type]
+        for _, body in perfetto.fields(perfetto.encode("s-a", slices))
+    ]
     assert all(number == 1 for number, _ in perfetto.fields(perfetto.encode("s-a", slices)))
     descriptors = [dict(perfetto.fields(p[60])) for p in packets if 60 in p]
     assert [d[2] for d in descriptors] == [b"session s-a", b"s-a:train:0"]
