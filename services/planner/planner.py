@@ -66,10 +66,6 @@ from services.planner.streams import ModelStream, Pending
 
 PAUSED_CAPACITY = "paused_capacity"
 
-SAVE_WITH_PENDING_GRADS = (
-    "save_state while gradients are pending: forward_backward ran since the last optim_step; "
-    "call optim_step first, then save_state again"
-)
 LOAD_WITH_PENDING_GRADS = (
     "load_state while gradients are pending: forward_backward ran since the last optim_step; "
     "call optim_step first, then load_state again"
@@ -327,8 +323,6 @@ class Planner:
                     return StepSlot(model_id=mid, request_id=rid, slot=slot, adam=adam)
                 reason = f"the gradient window before optim_step seq_id {seq} is incomplete ({poison})"
                 return DiscardSlot(model_id=mid, request_id=rid, slot=slot, reason=reason)
-            case SaveWeights() if dirty:
-                return FailRequest(model_id=mid, request_id=rid, error=SAVE_WITH_PENDING_GRADS)
             case SaveWeights(name=name, ttl_s=ttl_s, user_metadata=metadata):
                 return SaveSlot(
                     model_id=mid,

@@ -421,24 +421,28 @@ def test_non_finite_gradients_skip_the_step_and_say_so(stack: Stack, vocab: int)
 
 
 # --- (f) save_state with pending gradients; sampler saves leave them alone ---------------------
-def test_save_state_with_pending_gradients_is_a_user_error(stack: Stack, vocab: int) -> None:
-    training = new_model(stack, "saver", seed=6)
+def test_save_state_with_pending_gradients_saves_and_the_next_step_applies_them(stack: Stack, vocab: int) -> None:
+    """save_state mid-window writes the pre-step weights and leaves the accumulated gradients for
+    the next optim_step, which then moves the weights exactly as without the save (a twin model
+    with the same seed, data and step but no saves is the reference)."""
     rng = np.random.default_rng(19)
-    training.forward_backward(batch(rng, vocab, (5,)), "cross_entropy").result()
-    with pytest.raises(tinker.RequestFailedError) as failed:
-        training.save_state("too-early").result()
-    assert failed.value.category == types.RequestErrorCategory.User
-    assert "save_state while gradients are pending" in failed.value.message
-    assert "call optim_step first" in failed.value.message
-
-    # A sampler save neither applies nor discards them: save_state still refuses, the step applies.
-    training.save_weights_for_sampler("snapshot").result()
-    with pytest.raises(tinker.RequestFailedError):
-        training.save_state("still-too-early").result()
-    stepped = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    assert stepped.metrics is not None and stepped.metrics["grad_norm"] > 0
-    saved = training.save_state("after-step").result()
-    assert saved.path.endswith("/weights/after-step")
+    data, probe = batch(rng, vocab, (5,)), batch(rng, vocab, (6,))
+    training, twin = new_model(stack, "saver", seed=6), new_model(stack, "saver-twin", seed=6)
+    for model in (training, twin):
+        model.forward_backward(data, "cross_entropy").result()
+    before = logprobs(training.forward(probe, "cross_entropy").result())
+    saved = training.save_state("mid-window").result()
+    assert saved.path.endswith("/weights/mid-window")
+    training.save_weights_for_sampler("snapshot").result()  # neither applies nor discards them either
+    adam = types.AdamParams(learning_rate=1e-2)
+    stepped, twin_stepped = training.optim_step(adam).result(), twin.optim_step(adam).result()
+    assert stepped.metrics is not None and twin_stepped.metrics is not None
+    assert stepped.metrics["grad_norm"] == pytest.approx(twin_stepped.metrics["grad_norm"], rel=1e-6)
+    after = logprobs(training.forward(probe, "cross_entropy").result())
+    np.testing.assert_array_equal(after[0], logprobs(twin.forward(probe, "cross_entropy").result())[0])
+    assert np.abs(after[0] - before[0]).max() > 1e-3  # the step really moved the weights
+    restored = service(stack, "saver").create_training_client_from_state(saved.path).result()
+    np.testing.assert_array_equal(logprobs(restored.forward(probe, "cross_entropy").result())[0], before[0])
 
 
 # --- create_model waits for a free slot ---------------------------------------------------------

@@ -15,7 +15,6 @@ from libs.contracts.work import (
     BarrierUnit,
     DiscardSlot,
     ExportSlot,
-    FailRequest,
     InitSlot,
     ReleaseSlot,
     SaveSlot,
@@ -25,7 +24,6 @@ from libs.contracts.work import (
 )
 from services.planner.planner import (
     LOAD_WITH_PENDING_GRADS,
-    SAVE_WITH_PENDING_GRADS,
     CommandArrived,
     OutcomeArrived,
     Planner,
@@ -152,7 +150,7 @@ def test_optim_barriers_of_several_models_merge_save_does_not() -> None:
     sim.send(optim("a", 2), save("c", 2), optim("b", 2))
     sim.send(optim("c", 3))
     units = sim.plan()
-    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [FailRequest]]  # c's save: grads pending
+    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [SaveSlot]]  # c's save: alone, grads kept
     assert isinstance(units[0], BarrierUnit)
     assert [op.model_id for op in units[0].ops] == ["a", "b"]
     for unit in units:
@@ -292,9 +290,10 @@ def test_a_rejected_optim_step_does_not_end_the_window() -> None:
     [unit] = sim.plan()
     assert rows(unit) == [("a:1", 0), ("a:3", 0)]  # one window across the refused step
     sim.finish(unit)
+    assert sim.planner.streams["a"].pending_grads  # the refused step ended nothing
     sim.send(save("a", 4))
     [unit] = sim.plan()
-    assert ops(unit) == [FailRequest]
+    assert ops(unit) == [SaveSlot]
     sim.finish(unit)
     sim.send(optim("a", 5))
     sim.run()
@@ -337,17 +336,17 @@ def test_a_redelivered_outcome_has_no_effect() -> None:
 
 
 # --- save / sampler save / load ----------------------------------------------------------------
-def test_save_state_with_pending_gradients_is_a_user_error() -> None:
+def test_save_state_with_pending_gradients_saves_and_leaves_them_for_the_next_step() -> None:
     sim = started("a")
     sim.send(fb("a", 1, [2]), save("a", 2))
     sim.run()
-    assert ops(sim.units[-1]) == [FailRequest]
-    failure = sim.failure("a:2")
-    assert (failure.error, failure.category) == (SAVE_WITH_PENDING_GRADS, "user")
-    sim.send(optim("a", 3), save("a", 4))
+    assert ops(sim.units[-1]) == [SaveSlot]
+    assert sim.result("a:2") is None  # the publisher answers it
+    assert sim.planner.streams["a"].pending_grads  # still there: the next optim_step applies them
+    sim.send(optim("a", 3))
     sim.run()
-    assert [ops(u) for u in sim.units[-2:]] == [[StepSlot], [SaveSlot]]
-    assert sim.result("a:4") is None  # the publisher answers it
+    assert ops(sim.units[-1]) == [StepSlot]
+    assert not sim.planner.streams["a"].pending_grads
 
 
 def test_save_state_after_a_forward_only_pass_is_fine() -> None:
