@@ -9,8 +9,9 @@ Only the few messages a track-event timeline needs, encoded by hand (proto2 wire
                      uint64 track_uuid = 11; repeated string categories = 22; string name = 23; }
                      (Type: SLICE_BEGIN = 1, SLICE_END = 2, INSTANT = 3)
   DebugAnnotation  { int64 int_value = 4; string string_value = 6; string name = 10; }
-One track per training run / sampler under one parent track for the session; each request is a
-slice from its acceptance to its last event, annotated with its ids and token counts.
+One track per training run / sampler under one parent track for the session (plus lanes where its
+requests overlap); each request is a slice from its acceptance to its last event, annotated with
+its ids and token counts.
 """
 
 from __future__ import annotations
@@ -76,22 +77,37 @@ def _event(kind: int, track: int, name: str | None, annotations: dict[str, str |
 
 
 def encode(session_id: str, slices: list[Slice]) -> bytes:
-    """The whole trace file."""
+    """The whole trace file.
+
+    Slices on one track must nest, but a run's requests overlap (the SDK pipelines them), so each
+    run gets lanes: a slice goes on the first lane of its run that is free by its start; lane 0 is
+    the run's own track, lane k a child track named `<run> · k`.
+    """
     root = track_uuid(session_id)
     out = [_descriptor(root, f"session {session_id}", None)]
-    tracks: dict[str, int] = {}
-    for item in slices:
-        if item.track not in tracks:
-            tracks[item.track] = track_uuid(f"{session_id}/{item.track}")
-            out.append(_descriptor(tracks[item.track], item.track, root))
-    for item in sorted(slices, key=lambda s: s.start_ns):
-        uuid = tracks[item.track]
+    lanes: dict[str, list[tuple[int, int]]] = {}  # run -> [(lane uuid, end of its last slice)]
+    events = []
+    for item in sorted(slices, key=lambda s: (s.start_ns, s.end_ns)):
+        if item.track not in lanes:
+            uuid = track_uuid(f"{session_id}/{item.track}")
+            lanes[item.track] = []
+            out.append(_descriptor(uuid, item.track, root))
+        run = lanes[item.track]
+        lane = next((i for i, (_, end) in enumerate(run) if end <= item.start_ns), None)
+        if lane is None:
+            lane = len(run)
+            uuid = track_uuid(f"{session_id}/{item.track}/{lane}") if lane else track_uuid(f"{session_id}/{item.track}")
+            if lane:
+                out.append(_descriptor(uuid, f"{item.track} · {lane}", run[0][0]))
+            run.append((uuid, item.end_ns))
+        uuid = run[lane][0]
+        run[lane] = (uuid, max(item.end_ns, item.start_ns + 1))
         if item.end_ns <= item.start_ns:
-            out.append(_event(INSTANT, uuid, item.name, item.args, item.start_ns))
+            events.append(_event(INSTANT, uuid, item.name, item.args, item.start_ns))
         else:
-            out.append(_event(SLICE_BEGIN, uuid, item.name, item.args, item.start_ns))
-            out.append(_event(SLICE_END, uuid, None, {}, item.end_ns))
-    return b"".join(out)
+            events.append(_event(SLICE_BEGIN, uuid, item.name, item.args, item.start_ns))
+            events.append(_event(SLICE_END, uuid, None, {}, item.end_ns))
+    return b"".join(out + events)
 
 
 # --- reading it back (tests, and `tinkerd` users checking a file) ------------------------------

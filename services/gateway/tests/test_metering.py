@@ -124,6 +124,23 @@ def test_session_timeline_is_one_slice_per_request_on_its_runs_track() -> None:
     assert slices[1].args == {"request_id": "s-a:train:0:1", "num_tokens": 10, "num_datums": 1, "outcome": "ok"}
 
 
+def test_overlapping_requests_of_a_run_go_on_separate_lanes_so_slices_nest() -> None:
+    first, second = metering.Slice("s-a:train:0", "forward_backward", 100), metering.Slice("s-a:train:0", "optim_step", 200)
+    first.end_ns, second.end_ns = 300, 400  # overlapping, not nested
+    packets = [dict(perfetto.fields(body)) for _, body in perfetto.fields(perfetto.encode("s-a", [second, first]))]  # type: ignore[arg-type]
+    tracks = {d[1]: d for d in (dict(perfetto.fields(p[60])) for p in packets if 60 in p)}  # type: ignore[arg-type]
+    on_track: dict[Any, list[tuple[Any, Any]]] = {}
+    for p in packets:
+        if 11 in p:
+            event = dict(perfetto.fields(p[11]))  # type: ignore[arg-type]
+            on_track.setdefault(event[11], []).append((p[8], event[9]))
+    assert len(on_track) == 2  # one lane each
+    for seq in on_track.values():
+        assert [kind for _, kind in seq] == [perfetto.SLICE_BEGIN, perfetto.SLICE_END]
+    lane = next(d for d in tracks.values() if d[2] == "s-a:train:0 · 1".encode())
+    assert tracks[lane[5]][2] == b"s-a:train:0"  # the lane hangs under its run
+
+
 def test_perfetto_trace_decodes_to_tracks_and_matched_slices() -> None:
     slices = metering.session_timeline(
         [
