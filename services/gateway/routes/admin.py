@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -48,6 +49,8 @@ HOUR_S = 3_600
 MAX_WINDOW_S = 14 * 24 * HOUR_S
 TEN_YEARS_S = 10 * 365 * 24 * HOUR_S
 TRACE_URL_S = 3_600
+EVENTS_READ_TIMEOUT_S = 60.0
+log = logging.getLogger("tinkerd.gateway.admin")
 
 
 def org_user(tenant_id: str) -> str:
@@ -65,7 +68,12 @@ async def read_events(gateway: Gateway) -> list[OperationEvent]:
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
 
-    await replay(gateway.bus, s.STREAM_EVENTS, s.EVENTS_ALL, upto, keep)
+    try:
+        await asyncio.wait_for(
+            replay(gateway.bus, s.STREAM_EVENTS, s.EVENTS_ALL, upto, keep), EVENTS_READ_TIMEOUT_S
+        )
+    except TimeoutError:  # e.g. the last event expired while being read: answer with what was read
+        log.warning("reading the events stream stopped after %.0fs (%d events)", EVENTS_READ_TIMEOUT_S, len(events))
     return events
 
 
