@@ -69,7 +69,8 @@ def read_checkpoints(log_path: Path) -> list[dict[str, object]]:
 
 def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: Path) -> None:
     """A run checkpoints every 2 steps; cut back to its step-2 checkpoint (as if it had died
-    there), the cookbook resumes from that saved state and finishes the remaining steps."""
+    there), the cookbook resumes from that saved state and finishes the remaining steps; its
+    metrics log keeps one row per step (the redone steps' first rows set aside)."""
     from tinker_cookbook.supervised import train
 
     log_path = tmp_path / "sl"
@@ -82,12 +83,21 @@ def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: P
     asyncio.run(train.main(sl_config(stack, log_path, max_steps=4)))  # resumes from the step-2 state
     second = read_checkpoints(log_path)
     assert len(second) > 1 and second[-1]["state_path"] != mid["state_path"]
-    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trained = [r for r in rows if "train_mean_nll" in r]
-    assert len(trained) == 6  # 4 steps, then the 2 after the step-2 checkpoint again
-    before, after = trained[2:4], trained[4:]
-    assert [r["progress"] for r in after] == [0.75, 1.0]
-    assert [r["num_tokens"] for r in after] == [r["num_tokens"] for r in before]  # the same batches
+
+    def rows(name: str) -> list[dict[str, object]]:
+        lines = (log_path / name).read_text().splitlines()
+        return [r for r in (json.loads(line) for line in lines if line.strip()) if "train_mean_nll" in r]
+
+    # On resume the cookbook drops the rows of the steps it redoes (step >= 2; the whole first log
+    # is kept aside), which works only because the server's optim_step metrics leave its own
+    # integer `step` column alone.
+    trained, first_run = rows("metrics.jsonl"), rows("metrics.jsonl.pre_resume_000002")
+    assert [r["step"] for r in trained] == [0, 1, 2, 3] and [r["step"] for r in first_run] == [0, 1, 2, 3]
+    assert trained[:2] == first_run[:2]  # the steps before the checkpoint are kept as they were
+    assert [r["progress"] for r in trained[2:]] == [0.75, 1.0]
+    assert [r["num_tokens"] for r in trained[2:]] == [r["num_tokens"] for r in first_run[2:]]  # the same batches
+    server_steps = [float(r["optim/step"]) for r in trained]  # type: ignore[arg-type]
+    assert server_steps == sorted(set(server_steps)) and server_steps[:2] == [1.0, 2.0]  # its own key
 
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
