@@ -35,10 +35,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from libs.models.tiny import build_tiny  # noqa: E402
-from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine  # noqa: E402
-from services.trainer.lora import SlotConfig  # noqa: E402
+from services.trainer.engine import (  # noqa: E402
+    AdamParams,
+    DatumInput,
+    EngineConfig,
+    LoraConfig,
+    TrainerEngine,
+)
 
-SLOTS = {0: SlotConfig(rank=8, seed=1), 1: SlotConfig(rank=4, seed=2), 3: SlotConfig(rank=2, seed=3, train_mlp=False)}
+SLOTS = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 3: LoraConfig(rank=2, seed=3, train_mlp=False)}
 BAD = 1
 
 
@@ -46,7 +51,7 @@ def setup(engine: TrainerEngine) -> None:
     for slot in range(engine.config.num_slots):
         engine.release_slot(slot)
     for slot, c in SLOTS.items():
-        engine.init_slot(slot, c.rank, c.seed, c.train_attn, c.train_mlp, c.train_unembed)
+        engine.init_slot(slot, c)
         state = engine.get_slot_state(slot)
         gen = torch.Generator().manual_seed(slot)
         state.adapter = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.adapter.items()}
@@ -79,7 +84,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def timing(engine: TrainerEngine, device: str) -> dict[str, float]:
     rng = np.random.default_rng(3)
     for slot in range(8):
-        engine.init_slot(slot, 8, slot)
+        engine.init_slot(slot, LoraConfig(rank=8, seed=slot))
     tokens = [rng.integers(0, 2048, 129) for _ in range(8)]
     packed = [DatumInput(slot, t[:-1], {"target_tokens": t[1:]}) for slot, t in enumerate(tokens)]
     alone = [DatumInput(0, t[:-1], {"target_tokens": t[1:]}) for t in tokens]

@@ -338,7 +338,7 @@ class Bench:
         from megatron.core.transformer.enums import AttnMaskType
 
         from services.trainer.attention import ATTENTION_BACKENDS
-        from services.trainer.optim import AdamParams
+        from services.trainer.engine import AdamParams, LoraConfig
 
         backend = "sdpa_per_document"
         if self.cuda:
@@ -348,7 +348,7 @@ class Bench:
         engine = self.build_engine(backend, num_slots=8)
         self.results.put("engine", "build_peak_gib", self.peak_gib())
         for slot in range(8):
-            engine.init_slot(slot, rank=LORA_RANK, seed=slot)
+            engine.init_slot(slot, LoraConfig(rank=LORA_RANK, seed=slot))
         with torch.no_grad():  # non-zero B, so every adapter changes the logits (same speed)
             for adapter in engine.pool.adapters.values():
                 adapter.lora_B.normal_(0.0, 1e-3)
@@ -497,9 +497,11 @@ class Bench:
     def optimizer64(self) -> None:
         from transformers import AutoConfig
 
+        from libs.contracts.common import LoraConfig
         from services.trainer.convert import ModelShape
-        from services.trainer.lora import AdapterPool, SlotConfig
-        from services.trainer.optim import AdamParams, SlotAdamW
+        from services.trainer.engine import AdamParams
+        from services.trainer.lora import AdapterPool
+        from services.trainer.optim import SlotAdamW
 
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(self.model_dir)))
         slots = 64
@@ -512,7 +514,7 @@ class Bench:
                 p.normal_(0.0, 0.01)
                 p.grad = torch.randn_like(p) * 1e-3
         for s in range(slots):
-            pool.routing.configs[s] = SlotConfig(LORA_RANK, s)
+            pool.routing.configs[s] = LoraConfig(rank=LORA_RANK, seed=s)
         hp = AdamParams(learning_rate=1e-5)
 
         def step(count: int) -> None:

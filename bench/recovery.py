@@ -4,7 +4,7 @@ One real stack (tiny-qwen3). A workload of 4 tenants (threads), each running ``S
 ``forward_backward`` (2 datums of 32 tokens) + ``optim_step``, fills the work stream. Then:
 
 1. Replay speed: every unit of the work stream re-executed by a fresh in-process trainer
-   (``TrainerService.execute(unit, True)``, as the trainer's own recovery does), timed per
+   (``Executor.execute(unit, True)``, as the trainer's own recovery does), timed per
    unit; the same units' live execute times (outcome ``finished_ns - started_ns``) for context
    (they ran while the workload's clients and every service shared the CPU).
 2. Recovery time with K units after the newest internal snapshot (K = 0, 10, 50): a snapshot is
@@ -112,7 +112,7 @@ def replay_rows(stack: Any, units: list[tuple[int, Any]], model_dir: Path, tmp: 
             else "barrier units (step, init, ...)"
         )
         start = time.perf_counter()
-        service.execute(unit, True)
+        service.executor.execute(unit, True)
         times[kind].append(time.perf_counter() - start)
         tokens[kind] += unit.num_tokens if isinstance(unit, WorkUnit) else 0
     times["all units"] = [x for kind in list(times) for x in times[kind]]
@@ -156,9 +156,11 @@ def recover_rows(
     done = 0
     for k in ks:  # one pass through the units, a snapshot at each N - K
         for _, unit in units[done : len(units) - k]:
-            writer.execute(unit, True)
+            writer.executor.execute(unit, True)
         done = len(units) - k
-        snapshots.take(writer.engine, dict(writer.slot_models), tmp / f"k{k}", "default", units[done - 1][0])
+        snapshots.take(
+            writer.engine, dict(writer.executor.slot_models), writer.executor.pages, tmp / f"k{k}", "default", units[done - 1][0]
+        )
 
     async def recover(k: int) -> dict[str, Any]:
         bus = await Bus.connect(stack.nats_url, "bench-recover")

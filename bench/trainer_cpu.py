@@ -62,13 +62,13 @@ def datum(slot: int, seed: int, length: int, vocab: int) -> Any:
 
 
 def measure(name: str, model_dir: Path, length: int, reps: int) -> list[dict[str, Any]]:
-    from services.trainer.engine import EngineConfig, TrainerEngine
+    from services.trainer.engine import EngineConfig, LoraConfig, TrainerEngine
 
     engine = TrainerEngine(
         EngineConfig(base_model_dir=str(model_dir), num_slots=SLOTS, max_lora_rank=MAX_RANK)
     )
     for slot in range(SLOTS):
-        engine.init_slot(slot, RANK, seed=slot)
+        engine.init_slot(slot, LoraConfig(rank=RANK, seed=slot))
     shape = shape_of(model_dir)
     vocab = shape.vocab
     one = [datum(0, i, length, vocab) for i in range(SLOTS)]

@@ -50,11 +50,16 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_dir_atomically(
-    final: Path, files: dict[str, bytes] | None = None, copy_from: Path | None = None
+    final: Path,
+    files: dict[str, bytes] | None = None,
+    copy_from: Path | None = None,
+    links: dict[str, Path] | None = None,
 ) -> Path:
     """Create `final` with the given contents, all or nothing. Returns `final`.
 
-    If `final` already exists (a retried write), it is kept as it is: versions are immutable.
+    `links` are existing files to include under a new name: hard-linked (no copy) where the
+    file system allows, copied otherwise. If `final` already exists (a retried write), it is
+    kept as it is: versions are immutable.
     """
     if final.exists():
         return final
@@ -68,6 +73,11 @@ def write_dir_atomically(
                     _copy_file(src, tmp / src.name)
         for name, data in (files or {}).items():
             _write_file(tmp / name, data)
+        for name, src in (links or {}).items():
+            try:
+                os.link(src, tmp / name)
+            except OSError:
+                _copy_file(src, tmp / name)
         for child in tmp.iterdir():
             child.chmod(0o644)  # sampling engines may run as another user
             with open(child, "rb") as handle:

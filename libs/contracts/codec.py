@@ -12,10 +12,10 @@ import msgspec
 
 from libs.contracts.events import OperationEvent
 from libs.contracts.outcomes import Outcome
+from libs.contracts.publish import PublishCommand
 from libs.contracts.requests import ModelCommand
 from libs.contracts.results import RequestResult
 from libs.contracts.sampling import SampleJob
-from libs.contracts.snapshots import PublishSnapshot
 from libs.contracts.work import Unit
 
 T = TypeVar("T")
@@ -28,7 +28,7 @@ unit_decoder = msgspec.msgpack.Decoder(Unit)
 outcome_decoder = msgspec.msgpack.Decoder(Outcome)
 result_decoder = msgspec.msgpack.Decoder(RequestResult)
 event_decoder = msgspec.json.Decoder(OperationEvent)
-publish_decoder = msgspec.msgpack.Decoder(PublishSnapshot)
+publish_decoder = msgspec.msgpack.Decoder(PublishCommand)
 sample_job_decoder = msgspec.msgpack.Decoder(SampleJob)
 
 

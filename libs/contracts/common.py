@@ -75,16 +75,25 @@ class BusDatum(msgspec.Struct, frozen=True, array_like=True):
         return len(self.tokens) // 4
 
 
-class LoraSpec(msgspec.Struct, frozen=True, kw_only=True):
+class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's LoRA configuration: the SDK's ``LoraConfig``, carried unchanged from the wire
+    to the planner, the trainer's slots and the checkpoint files. ``seed`` None: the trainer
+    derives one from the model id."""
+
     rank: int
     seed: int | None = None
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
 
+    def trains(self, group: str) -> bool:
+        """Whether the adapter covers a module group: ``attn``, ``mlp`` or ``unembed``."""
+        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[group]
 
-class AdamSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """AdamW hyper-parameters of one optim_step (torch AdamW semantics; grad_clip_norm 0 = off)."""
+
+class AdamParams(msgspec.Struct, frozen=True, kw_only=True):
+    """AdamW hyper-parameters of one optim_step: the SDK's ``AdamParams``, from the wire to the
+    trainer's optimizer (torch AdamW semantics, decoupled weight decay; grad_clip_norm 0 = off)."""
 
     learning_rate: float = 1e-4
     beta1: float = 0.9

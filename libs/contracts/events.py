@@ -56,10 +56,34 @@ class RequestFailed(Envelope, tag="failed", kw_only=True, frozen=True):
     duration_ms: float
 
 
-class SnapshotPublished(Envelope, tag="snapshot_published", kw_only=True, frozen=True):
+class CheckpointPublished(Envelope, tag="checkpoint_published", kw_only=True, frozen=True):
     tinker_path: str
     adapter_name: str
     directory: str
+
+
+class SlotAssigned(Envelope, tag="slot_assigned", kw_only=True, frozen=True):
+    """The planner gave a model an adapter slot: on create, or to page it back in."""
+
+    slot: int
+    reason: str  # "create" | "page_in"
+    evicted: str = ""  # the idle model paged out to free the slot, if any
+
+
+class ModelPagedOut(Envelope, tag="model_paged_out", kw_only=True, frozen=True):
+    """A trainer moved an idle model's training state out of its slot."""
+
+    slot: int
+    bytes: int
+    ms: float
+    where: str  # "host" | "disk" (host memory over its budget)
+
+
+class ModelPagedIn(Envelope, tag="model_paged_in", kw_only=True, frozen=True):
+    slot: int
+    bytes: int
+    ms: float
+    where: str  # where the state came from: "host" | "disk"
 
 
 class SessionEvent(Envelope, tag="session", kw_only=True, frozen=True):
@@ -95,7 +119,10 @@ OperationEvent = (
     | UnitFinished
     | RequestCompleted
     | RequestFailed
-    | SnapshotPublished
+    | CheckpointPublished
+    | SlotAssigned
+    | ModelPagedOut
+    | ModelPagedIn
     | SessionEvent
     | ServiceEvent
     | Audited

@@ -1,11 +1,14 @@
 """Identities, in one place: how every id, key and path Tinkerd mints is built and read back.
 
+- Model ids are `{session}:train:{model_seq_id}` and sampler ids `{session}:sample:{seq}` (the
+  SDK computes a model id itself, from the same coordinates); a sampled sequence is
+  `{request}:{index}`.
 - Request ids are `{owner}:{seq_id}` (owner: a model or a sampling session), taken from the SDK's
   own coordinates so every gateway replica, the planner and the publisher agree on them without
   asking anyone; a model's lifecycle unload is `{model}:unload`.
 - `token()` turns an id into one NATS subject token or KV key (`:` becomes `=`).
 - Checkpoints are addressed as `tinker://{run}/{segment}/{name}`; the segment names the kind
-  (`weights`: a training checkpoint, `sampler_weights`: a sampler snapshot, `external_weights`: a
+  (`weights`: a training checkpoint, `sampler_weights`: a sampler export, `external_weights`: a
   PEFT export for download), and the catalogue keys them `{token(run)}.{kind}.{name}`.
 """
 
@@ -42,6 +45,31 @@ def untoken(value: str) -> str:
     return value.replace("=", ":")
 
 
+def model_id(session_id: str, model_seq_id: int) -> str:
+    """The id of a session's `model_seq_id`-th training model (what the SDK expects back)."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def sampler_id(session_id: str, sampling_seq_id: int) -> str:
+    """The id of a session's sampling session number `sampling_seq_id`."""
+    return f"{session_id}:sample:{sampling_seq_id}"
+
+
+def session_models_prefix(session_id: str) -> str:
+    """The key prefix, in the models bucket, of every model of a session."""
+    return token(f"{session_id}:train:")
+
+
+def session_samplers_prefix(session_id: str) -> str:
+    """The key prefix, in the samplers bucket, of every sampling session of a session."""
+    return token(f"{session_id}:sample:")
+
+
+def sequence_id(request: str, index: int) -> str:
+    """The `sample_sequence_id` of the `index`-th sequence a sample request returns."""
+    return f"{request}:{index}"
+
+
 def request_id(owner: str, seq_id: int) -> str:
     """The request id of `seq_id` of a model or a sampling session."""
     return f"{owner}:{seq_id}"
@@ -52,9 +80,25 @@ def unload_request_id(model_id: str) -> str:
     return f"{model_id}:unload"
 
 
+def page_request_id(model_id: str) -> str:
+    """The request id a residency op (page out, page in) carries: it answers no future."""
+    return f"{model_id}:page"
+
+
 def owner_of_request(request: str) -> str:
     """The model (or sampler) a request id belongs to."""
     return request.rsplit(":", 1)[0]
+
+
+def split_request_id(request: str) -> tuple[str, str]:
+    """(owner, seq part) of a request id; the seq part is a number, or `unload`."""
+    owner, _, seq = request.rpartition(":")
+    return owner, seq
+
+
+def is_sampler_id(owner: str) -> bool:
+    """True for a sampling session's id, False for a model's."""
+    return ":sample:" in owner
 
 
 def seq_key(owner: str, seq_id: int) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from libs.contracts.common import LoraSpec
+from libs.contracts.common import LoraConfig
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -29,7 +29,7 @@ class ModelRecord(msgspec.Struct, kw_only=True):
     tenant: str
     session_id: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     created_ns: int
     create_request_id: str
     user_metadata: dict[str, object] | None = None
@@ -64,10 +64,10 @@ class SamplerRecord(msgspec.Struct, kw_only=True):
     tenant: str
     session_id: str
     base_model: str
-    model_path: str | None = None  # tinker:// path of the snapshot, None for the base model
+    model_path: str | None = None  # tinker:// path of the sampler export, None for the base model
     adapter_name: str | None = None  # the name the sampling engine knows the adapter by
     adapter_dir: str | None = None
-    pending_request_id: str | None = None  # ephemeral samplers: the save that produces the snapshot
+    pending_request_id: str | None = None  # ephemeral samplers: the save that produces the export
     created_ns: int = 0
 
 
@@ -78,14 +78,14 @@ class CheckpointRecord(msgspec.Struct, kw_only=True):
     name: str
     tenant: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     directory: str
     created_ns: int
     size_bytes: int = 0
     public: bool = False
     expires_ns: int | None = None
     user_metadata: dict[str, object] | None = None
-    adapter_name: str | None = None  # sampler snapshots: the name the sampling engines know
+    adapter_name: str | None = None  # sampler exports: the name the sampling engines know
 
 
 class TrainerStatus(msgspec.Struct, kw_only=True):

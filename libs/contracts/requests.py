@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from libs.contracts.common import AdamSpec, BusDatum, Envelope, LoraSpec
+from libs.contracts.common import AdamParams, BusDatum, Envelope, LoraConfig
 
 
 class CheckpointRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,7 +25,7 @@ class CreateModel(Envelope, tag="create_model", kw_only=True, frozen=True):
 
     session_id: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     optimizer: str = "adamw"
     user_metadata: dict[str, str] | None = None
     restore: CheckpointRef | None = None
@@ -39,7 +39,7 @@ class ForwardBackward(Envelope, tag="forward_backward", kw_only=True, frozen=Tru
 
 
 class OptimStep(Envelope, tag="optim_step", kw_only=True, frozen=True):
-    adam: AdamSpec
+    adam: AdamParams
 
 
 class SaveWeights(Envelope, tag="save_weights", kw_only=True, frozen=True):
@@ -51,7 +51,7 @@ class SaveWeights(Envelope, tag="save_weights", kw_only=True, frozen=True):
 
 
 class SaveForSampler(Envelope, tag="save_weights_for_sampler", kw_only=True, frozen=True):
-    """A PEFT snapshot for sampling: named (`name`) or ephemeral (`sampling_session_id`).
+    """A PEFT export for sampling: named (`name`) or ephemeral (`sampling_session_id`).
 
     `external`: the same PEFT files, saved as `tinker://RUN/external_weights/NAME` for download
     (save_weights_external) rather than for sampling.

@@ -43,10 +43,58 @@ class SampleResult(msgspec.Struct, tag="sample", frozen=True, kw_only=True):
     prompt_cache_hit_tokens: int = 0
 
 
-class JsonResult(msgspec.Struct, tag="json", frozen=True, kw_only=True):
-    """A small JSON body (create_model, optim_step, save_*, load_weights, ...)."""
+# --- the small JSON results: the SDK's own response schemas (tinker.types), each once -----
 
-    body: dict[str, object]
+
+class CreateModelResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="create_model"):
+    model_id: str
+
+
+class OptimStepResponse(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="optim_step"
+):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="save_weights"):
+    path: str
+
+
+class SaveWeightsForSamplerResponse(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    omit_defaults=True,
+    tag_field="type",
+    tag="save_weights_for_sampler",
+):
+    """``path`` for a named save, ``sampling_session_id`` for an ephemeral one."""
+
+    path: str | None = None
+    sampling_session_id: str | None = None
+
+
+class SaveWeightsExternalResponse(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    omit_defaults=True,
+    tag_field="type",
+    tag="save_weights_external",
+):
+    path: str
+    size_bytes: int | None = None
+
+
+class LoadWeightsResponse(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="load_weights"
+):
+    path: str | None = None
+    model_id: str | None = None
+
+
+class UnloadModelResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="unload_model"):
+    model_id: str
 
 
 class Failure(msgspec.Struct, tag="failure", frozen=True, kw_only=True):
@@ -54,7 +102,18 @@ class Failure(msgspec.Struct, tag="failure", frozen=True, kw_only=True):
     category: str = "user"  # "user" | "server" | "unknown": the SDK's enum
 
 
-ResultBody = ForwardBackwardResult | SampleResult | JsonResult | Failure
+JsonResult = (
+    CreateModelResponse
+    | OptimStepResponse
+    | SaveWeightsResponse
+    | SaveWeightsForSamplerResponse
+    | SaveWeightsExternalResponse
+    | LoadWeightsResponse
+    | UnloadModelResponse
+)
+"""A result the gateway answers as JSON whatever the client accepts."""
+
+ResultBody = ForwardBackwardResult | SampleResult | Failure | JsonResult
 
 
 class RequestResult(Envelope, tag="result", kw_only=True, frozen=True):

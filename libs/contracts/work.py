@@ -2,14 +2,15 @@
 
 A `WorkUnit` packs datums of many models that share (kind, loss_fn, canonical loss config) under a
 token budget; a `BarrierUnit` carries slot operations (optimizer steps of many models merged into
-one call, or one save/load/create/release). Units are executed in the order they were emitted.
+one call, or one save/load/create/release, with the page-out and page-in that give it a slot).
+Units are executed in the order they were emitted.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from libs.contracts.common import AdamSpec, BusDatum, Envelope, LoraSpec
+from libs.contracts.common import AdamParams, BusDatum, Envelope, LoraConfig
 from libs.contracts.requests import CheckpointRef
 
 
@@ -39,7 +40,7 @@ class InitSlot(msgspec.Struct, tag="init_slot", kw_only=True, frozen=True):
     model_id: str
     request_id: str
     slot: int
-    lora: LoraSpec
+    lora: LoraConfig
     restore: CheckpointRef | None = None
 
 
@@ -47,7 +48,7 @@ class StepSlot(msgspec.Struct, tag="step_slot", kw_only=True, frozen=True):
     model_id: str
     request_id: str
     slot: int
-    adam: AdamSpec
+    adam: AdamParams
 
 
 class DiscardSlot(msgspec.Struct, tag="discard_slot", kw_only=True, frozen=True):
@@ -96,6 +97,31 @@ class ReleaseSlot(msgspec.Struct, tag="release_slot", kw_only=True, frozen=True)
     slot: int
 
 
+class PageOut(msgspec.Struct, tag="page_out", kw_only=True, frozen=True):
+    """Move the slot's complete training state (adapter, optimizer moments and step, accumulated
+    gradients) to the trainer's page store and free the slot. `request_id` is `ids.page_request_id`:
+    residency ops answer no request."""
+
+    model_id: str
+    request_id: str
+    slot: int
+
+
+class PageIn(msgspec.Struct, tag="page_in", kw_only=True, frozen=True):
+    """Put a paged-out model's training state back into `slot`, exactly as it left."""
+
+    model_id: str
+    request_id: str
+    slot: int
+
+
+class DropPaged(msgspec.Struct, tag="drop_paged", kw_only=True, frozen=True):
+    """Forget a paged-out model's state (its unload, while it holds no slot)."""
+
+    model_id: str
+    request_id: str
+
+
 class FailRequest(msgspec.Struct, tag="fail_request", kw_only=True, frozen=True):
     """Nothing to execute: the planner decided the request fails (e.g. a poisoned window's sealed gap)."""
 
@@ -105,7 +131,19 @@ class FailRequest(msgspec.Struct, tag="fail_request", kw_only=True, frozen=True)
     category: str = "user"
 
 
-SlotOp = InitSlot | StepSlot | DiscardSlot | SaveSlot | ExportSlot | LoadSlot | ReleaseSlot | FailRequest
+SlotOp = (
+    InitSlot
+    | StepSlot
+    | DiscardSlot
+    | SaveSlot
+    | ExportSlot
+    | LoadSlot
+    | ReleaseSlot
+    | PageOut
+    | PageIn
+    | DropPaged
+    | FailRequest
+)
 
 
 class BarrierUnit(Envelope, tag="barrier", kw_only=True, frozen=True):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from litestar import Litestar
+from litestar import Litestar, Router
 from litestar.di import Provide
 
+from services.gateway import guards
 from services.gateway.config import GatewayConfig
 from services.gateway.context import lifespan, provide_gateway, provide_tenant
 from services.gateway.errors import EXCEPTION_HANDLERS
@@ -22,12 +23,23 @@ from services.gateway.routes import (
 )
 from services.gateway.tracing_mw import trace_requests
 
-ROUTE_MODULES = (bootstrap, training, weights, futures, sampling, catalog, sessions, admin, unsupported, operator)
+TENANT_ROUTES = [
+    handler
+    for module in (bootstrap, training, weights, futures, sampling, catalog, sessions, admin, unsupported)
+    for handler in module.ROUTES
+]
+OPERATOR_ROUTES = operator.ROUTES
+PUBLIC_ROUTES = [*bootstrap.PUBLIC_ROUTES, *catalog.PUBLIC_ROUTES]
+ALL_ROUTES = [*TENANT_ROUTES, *OPERATOR_ROUTES, *PUBLIC_ROUTES]
 
 
 def create_app(config: GatewayConfig) -> Litestar:
+    """Every route under exactly one access policy (see ``guards.py``)."""
+    tenant_api = Router(path="/", guards=[guards.api_key], route_handlers=TENANT_ROUTES)
+    operator_api = Router(path="/", guards=[guards.operator_only], route_handlers=OPERATOR_ROUTES)
+    public = Router(path="/", route_handlers=PUBLIC_ROUTES)
     return Litestar(
-        route_handlers=[handler for module in ROUTE_MODULES for handler in module.ROUTES],
+        route_handlers=[tenant_api, operator_api, public],
         dependencies={"gateway": Provide(provide_gateway), "tenant": Provide(provide_tenant)},
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=[lifespan(config)],

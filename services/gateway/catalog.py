@@ -67,7 +67,7 @@ async def resolve_checkpoint(
     if kind is not None and record.kind != kind:
         if kind == "training" and record.kind == "sampler":
             raise BadRequest(
-                f"{path} is a sampler snapshot (weights only, PEFT format); training state is restored from "
+                f"{path} is a sampler export (weights only, PEFT format); training state is restored from "
                 "a save_state checkpoint (tinker://RUN/weights/NAME)"
             )
         raise BadRequest(f"{path} is not a {kind} checkpoint (it is {record.kind})")

@@ -5,6 +5,7 @@ Built once by the app's lifespan and handed to handlers through dependency injec
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -14,19 +15,20 @@ from pathlib import Path
 
 import httpx
 from litestar import Litestar, Request
+from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
 from infra.streams import ensure_streams
 from libs.contracts.results import RequestResult
 from libs.models.hf_cache import install_tokenizer
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
-from services.gateway import jwt_auth
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EnginePool
 from services.gateway.futures import FutureBoard
-from services.gateway.metrics import Metrics
+from services.gateway.metrics import Live, Metrics
+from services.gateway.metrics import registry as metrics_registry
 from services.gateway.store import Store
 
 log = logging.getLogger("tinkerd.gateway")
@@ -48,6 +50,20 @@ class Gateway:
     @property
     def data_dir(self) -> Path:
         return Path(self.config.data_dir).expanduser().resolve()
+
+    @functools.cached_property
+    def metrics_registry(self) -> CollectorRegistry:
+        """This gateway's Prometheus registry: the counters, and gauges read at scrape time."""
+        return metrics_registry(self.metrics, self._live)
+
+    def _live(self) -> Live:
+        return Live(
+            futures_waiting=self.board.waiting,
+            sampling_in_use=self.admission.sampling_in_use,
+            sampling_capacity=self.config.sampling_capacity,
+            queued=self.admission.queued(),
+            engines=self.engines,
+        )
 
     def on_result(self, result: RequestResult) -> None:
         """A result arrived: the request no longer counts against admission limits."""
@@ -116,8 +132,5 @@ async def provide_gateway(request: Request) -> Gateway:  # type: ignore[type-arg
 
 
 async def provide_tenant(request: Request) -> Tenant:  # type: ignore[type-arg]
-    gateway = gateway_of(request)
-    credential = request.headers.get("x-api-key")
-    if jwt_auth.looks_like_jwt(credential):  # a JWT from POST /api/v1/auth/token
-        return jwt_auth.verify(credential or "", gateway.signing_secret)
-    return gateway.keys.authenticate(credential)
+    """The caller, as the router's ``guards.api_key`` authenticated it."""
+    return request.state.tenant  # type: ignore[no-any-return]

@@ -1,9 +1,9 @@
 """The sampling engines as the gateway sees them: which one serves a sample, and what it holds.
 
-Adapters reach the engines on demand. A sampler snapshot is a directory on disk; nothing is
+Adapters reach the engines on demand. A sampler export is a directory on disk; nothing is
 pushed to an engine when it is saved. The sample path makes sure the engine that serves the
-sample holds the snapshot's adapter (`/load_lora_adapter` when it is missing), so an engine that
-restarted, or a new one, serves every existing snapshot without anyone re-publishing it:
+sample holds the export's adapter (`/load_lora_adapter` when it is missing), so an engine that
+restarted, or a new one, serves every existing export without anyone re-publishing it:
 
 - `Residency` tracks the adapters one engine holds on this replica's behalf, least recently used
   first. It loads a missing adapter once however many samples ask for it at the same time, and
@@ -42,7 +42,7 @@ PROBE_MAX_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A snapshot as the engines know it: its engine-side name and its directory."""
+    """A sampler export as the engines know it: its engine-side name and its directory."""
 
     name: str
     directory: str | None  # None: only the name is known (the engine must already hold it)

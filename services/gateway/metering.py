@@ -10,7 +10,7 @@ Metering, per tenant, bucketed by UTC hour, base model and session:
 - sampling_prefill: each answered sample's prompt tokens (once per request, however many
   `num_samples`), split into cached (the engine's prefix cache) and not;
 - sampling_sample: the tokens generated, over all sequences;
-- checkpoint: named checkpoints written (`snapshot_published` with a `tinker://` path).
+- checkpoint: named checkpoints written (`checkpoint_published` with a `tinker://` path).
 There are no prices: every cost and rate is null.
 """
 
@@ -22,12 +22,12 @@ from collections.abc import Iterable
 
 from libs.contracts.events import (
     Audited,
+    CheckpointPublished,
     OperationEvent,
     RequestAccepted,
     RequestCompleted,
     RequestFailed,
     SessionEvent,
-    SnapshotPublished,
 )
 from services.gateway import admin_wire as a
 
@@ -85,7 +85,7 @@ def fold_usage(
             add(event.at_ns, "sampling_prefill", session, event.prompt_tokens - cached)
             add(event.at_ns, "sampling_prefill", session, cached, cached=True)
             add(event.at_ns, "sampling_sample", session, event.sampled_tokens)
-        elif isinstance(event, SnapshotPublished) and event.tinker_path.startswith("tinker://"):
+        elif isinstance(event, CheckpointPublished) and event.tinker_path.startswith("tinker://"):
             add(event.at_ns, "checkpoint", session_of(event.model_id), 1)
     for request_id, (ns, session, tokens) in training.items():
         if request_id not in failed:
@@ -158,7 +158,7 @@ def audit_entries(
                 tinker_path=event.subject if is_checkpoint else None,
                 purpose=event.details.get("purpose") if event.action == "read" else None,
             )
-        elif isinstance(event, SnapshotPublished) and event.tinker_path.startswith("tinker://"):
+        elif isinstance(event, CheckpointPublished) and event.tinker_path.startswith("tinker://"):
             if event_type not in ("all", "checkpoints"):
                 continue
             entry = a.AuditLogEntry(
@@ -225,6 +225,6 @@ def session_timeline(events: Iterable[OperationEvent], tenant: str, session_id: 
                 current.start_ns = min(current.start_ns, event.at_ns - int(event.duration_ms * 1e6))
         elif isinstance(event, RequestFailed):
             current.args["outcome"] = f"failed: {event.error}"[:200]
-        elif isinstance(event, SnapshotPublished):
+        elif isinstance(event, CheckpointPublished):
             current.args["tinker_path"] = event.tinker_path
     return ordered

@@ -8,7 +8,6 @@ from litestar import Response
 from libs.contracts.results import (
     Failure,
     ForwardBackwardResult,
-    JsonResult,
     RequestResult,
     SampleResult,
     TopK,
@@ -66,5 +65,4 @@ def render(result: RequestResult, accept: str) -> Response[object]:
         if wants_proto:
             return Response(tp.encode_sample_response(sample), media_type=PROTOBUF)
         return Response(w.legacy_sample_response(sample))
-    assert isinstance(body, JsonResult)
-    return Response(body.body)
+    return Response(body)  # one of the SDK's small response types (results.JsonResult)

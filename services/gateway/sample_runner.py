@@ -198,7 +198,7 @@ class SampleRunner:
         if sampler.pending_request_id and not sampler.adapter_name:
             result = await self.gateway.board.wait(sampler.pending_request_id, 24 * 3600)
             if result is None or isinstance(result.body, Failure):
-                raise RuntimeError("the snapshot this sampler was created for failed to save")
+                raise RuntimeError("the sampler export this sampler was created for failed to save")
             sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord) or sampler
         if not sampler.adapter_name:
             return None

@@ -29,7 +29,7 @@ from typing import Protocol
 import msgspec
 
 from infra import tracing
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestAccepted, RequestRejected
@@ -41,11 +41,6 @@ from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
 
 _background: set[asyncio.Task[None]] = set()
-
-
-def request_id_for(model_id: str, seq_id: int) -> str:
-    """Deterministic from the SDK's own coordinates, so every replica agrees without talking."""
-    return f"{model_id}:{seq_id}"
 
 
 def fingerprint_bytes(kind: str, body: bytes) -> str:
@@ -184,7 +179,7 @@ async def append(
     Raises `refused` after consuming the seq_id, Conflict on a different payload for a claimed
     seq_id, and Overloaded (before claiming anything) when the model or tenant is at its limit.
     """
-    request_id = request_id_for(model_id, seq_id)
+    request_id = ids.request_id(model_id, seq_id)  # every replica agrees without talking
     traceparent = tracing.current_traceparent()
     claim = SeqClaim(
         request_id=request_id,

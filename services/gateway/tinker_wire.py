@@ -25,6 +25,28 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from libs.contracts.common import AdamParams, LoraConfig
+from libs.contracts.results import (
+    CreateModelResponse as CreateModelResponse,
+)
+from libs.contracts.results import (
+    LoadWeightsResponse as LoadWeightsResponse,
+)
+from libs.contracts.results import (
+    OptimStepResponse as OptimStepResponse,
+)
+from libs.contracts.results import (
+    SaveWeightsExternalResponse as SaveWeightsExternalResponse,
+)
+from libs.contracts.results import (
+    SaveWeightsForSamplerResponse as SaveWeightsForSamplerResponse,
+)
+from libs.contracts.results import (
+    SaveWeightsResponse as SaveWeightsResponse,
+)
+from libs.contracts.results import (
+    UnloadModelResponse as UnloadModelResponse,
+)
 from services.gateway import tinker_proto as tp
 
 Metadata = dict[str, Any]
@@ -198,14 +220,6 @@ class AuthTokenRequest(msgspec.Struct, frozen=True, kw_only=True):
 # --- training (requests) ----------------------------------------------------------------
 
 
-class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
-    rank: int
-    seed: int | None = None
-    train_unembed: bool = True
-    train_mlp: bool = True
-    train_attn: bool = True
-
-
 class OptimizerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Optimizer family fixed at creation: ``{type: "adamw"}`` or ``{type: "dimuon", version: 1}``."""
 
@@ -228,17 +242,6 @@ class CreateModelRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="t
 
 class GetInfoRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="get_info"):
     model_id: str
-
-
-class AdamParams(msgspec.Struct, frozen=True, kw_only=True):
-    """torch AdamW semantics (decoupled weight decay); ``grad_clip_norm`` 0 means no clipping."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 class DimuonParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -618,9 +621,6 @@ class GetServerCapabilitiesResponse(msgspec.Struct, frozen=True, kw_only=True):
 # --- training (responses; the non-protobuf future results) ------------------------------
 
 
-class CreateModelResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="create_model"):
-    model_id: str
-
 
 class ModelData(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     arch: str | None = None
@@ -639,45 +639,9 @@ class GetInfoResponse(
     model_name: str | None = None
 
 
-class OptimStepResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    metrics: dict[str, float] | None = None
 
 
-class SaveWeightsResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="save_weights"):
-    path: str
 
-
-class SaveWeightsForSamplerResponse(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    omit_defaults=True,
-    tag_field="type",
-    tag="save_weights_for_sampler",
-):
-    """``path`` for a named save, ``sampling_session_id`` for an ephemeral one."""
-
-    path: str | None = None
-    sampling_session_id: str | None = None
-
-
-class SaveWeightsExternalResponse(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    omit_defaults=True,
-    tag_field="type",
-    tag="save_weights_external",
-):
-    path: str
-    size_bytes: int | None = None
-
-
-class LoadWeightsResponse(
-    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag="load_weights"
-):
-    path: str | None = None
-    model_id: str | None = None
 
 
 class CreateCustomLossResponse(
@@ -685,9 +649,6 @@ class CreateCustomLossResponse(
 ):
     loss_id: str
 
-
-class UnloadModelResponse(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="unload_model"):
-    model_id: str
 
 
 class CopyWeightsResponse(msgspec.Struct, frozen=True, kw_only=True):

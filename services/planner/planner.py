@@ -21,8 +21,11 @@ Rules (see docs/semantics.md):
   saying what to resubmit.
 - save_state (and load_state) with gradients pending is a user error; save_weights_for_sampler
   neither applies nor discards them.
-- create_model takes the lowest free adapter slot; with none free it waits (queue_state
-  "paused_capacity") until a model is unloaded.
+- Residency: a model holds an adapter slot only while it needs one. A create, or the next command
+  of a paged-out model, takes the lowest free slot; with none free, the barrier that gives it a
+  slot first pages out the least recently used resident model with nothing in flight (idle ones
+  before ones with queued work), whose complete training state the trainer keeps. With every slot
+  held by a model with work in flight it waits (queue_state "paused_capacity").
 - Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
   whatever it can no longer run.
 """
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from libs.contracts.ids import HANDOFF, owner_of_request, tinker_path
+from libs.contracts.ids import HANDOFF, owner_of_request, page_request_id, tinker_path
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
     CreateModel,
@@ -46,14 +49,26 @@ from libs.contracts.requests import (
     SaveWeights,
     UnloadModel,
 )
-from libs.contracts.results import DatumResult, Failure, ForwardBackwardResult, JsonResult, ResultBody
+from libs.contracts.results import (
+    CreateModelResponse,
+    DatumResult,
+    Failure,
+    ForwardBackwardResult,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    ResultBody,
+    UnloadModelResponse,
+)
 from libs.contracts.work import (
     BarrierUnit,
     DiscardSlot,
+    DropPaged,
     ExportSlot,
     FailRequest,
     InitSlot,
     LoadSlot,
+    PageIn,
+    PageOut,
     ReleaseSlot,
     SaveSlot,
     SlotOp,
@@ -151,6 +166,9 @@ class Planner:
         if unit_number(unit.unit_id) < state.units_emitted:
             return False  # seen already
         state.units_emitted = unit_number(unit.unit_id) + 1
+        models = [i.model_id for i in unit.items] if isinstance(unit, WorkUnit) else [op.model_id for op in unit.ops]
+        for model_id in models:
+            self._stream(model_id).last_used = unit_number(unit.unit_id)
         match unit:
             case WorkUnit(items=items):
                 state.inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
@@ -209,22 +227,38 @@ class Planner:
 
     # --- the decision -------------------------------------------------------------------------
     def decide(self) -> Unit | None:
-        """The next unit to emit, or None; pure: the state changes only when it is applied."""
+        """The next unit to emit, or None; pure: the state changes only when it is applied.
+
+        The oldest runnable command of all models goes first (by arrival). A resident model's
+        runs now; a model that holds no slot (a create, or a paged-out model) first gets one:
+        a free slot, or the least recently used slot of a model with nothing in flight, which
+        is paged out in the same barrier.
+        """
         best_rows: Pending | None = None
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
+        waiting: tuple[ModelStream, Pending] | None = None
         for stream in self.state.streams.values():
             if stream.closed:
                 continue
-            for pending in stream.open_window():
-                if pending.issued < pending.num_datums and (
-                    best_arrival is None or pending.arrival < best_arrival
-                ):
-                    best_arrival, best_rows, best_barrier = pending.arrival, pending, None
-            barrier = stream.ready_barrier()
-            ready = barrier is not None and self._barrier_can_run(stream, barrier)
-            if barrier is not None and ready and (best_arrival is None or barrier.arrival < best_arrival):
-                best_arrival, best_rows, best_barrier = barrier.arrival, None, (stream, barrier)
+            head = stream.oldest_runnable()
+            if head is None:
+                continue
+            if self._needs_slot(stream, head):
+                if waiting is None or head.arrival < waiting[1].arrival:
+                    waiting = (stream, head)
+                continue
+            if best_arrival is not None and head.arrival >= best_arrival:
+                continue
+            best_arrival = head.arrival
+            if head.is_window:
+                best_rows, best_barrier = head, None
+            else:
+                best_rows, best_barrier = None, (stream, head)
+        if waiting is not None and (best_arrival is None or waiting[1].arrival < best_arrival):
+            unit = self._residency_unit(*waiting)
+            if unit is not None:
+                return unit
         if best_rows is not None:
             return self._work_unit(best_rows)
         if best_barrier is not None:
@@ -241,18 +275,25 @@ class Planner:
         return units
 
     def waiting_for_capacity(self) -> list[str]:
-        """Request ids of create_models that wait for a free adapter slot (queue_state paused_capacity)."""
+        """Request ids that wait for an adapter slot (queue_state paused_capacity): the oldest
+        runnable command of each model that holds none while no slot can be freed."""
+        if self._free_slot() is not None:
+            return []
         waiting = []
+        busy = self._busy_models()
         for stream in self.state.streams.values():
-            head = None if stream.closed else stream.ready_barrier()
-            if isinstance(head, Pending) and not self._barrier_can_run(stream, head):
+            head = None if stream.closed else stream.oldest_runnable()
+            if head is not None and self._needs_slot(stream, head) and self._victim(stream, busy) is None:
                 waiting.append(head.command.request_id)
         return sorted(waiting)
 
-    def _barrier_can_run(self, stream: ModelStream, pending: Pending) -> bool:
-        if isinstance(pending.command, CreateModel):
-            return stream.slot is not None or self._free_slot() is not None
-        return True
+    @staticmethod
+    def _needs_slot(stream: ModelStream, head: Pending) -> bool:
+        if stream.slot is not None:
+            return False
+        if isinstance(head.command, CreateModel):
+            return True
+        return stream.paged and not isinstance(head.command, UnloadModel)
 
     def _free_slot(self) -> int | None:
         for slot in range(self.state.num_slots):
@@ -260,13 +301,48 @@ class Planner:
                 return slot
         return None
 
+    def _busy_models(self) -> set[str]:
+        """Models with a unit in flight (emitted, outcome not folded): never paged out."""
+        return {model_id for members in self.state.inflight.values() for model_id, _, _ in members}
+
+    def _victim(self, needy: ModelStream, busy: set[str]) -> ModelStream | None:
+        """The resident model to page out: nothing in flight; idle ones (nothing runnable)
+        first, then the least recently used."""
+        candidates = [
+            s
+            for s in self.state.streams.values()
+            if s.slot is not None and s is not needy and s.model_id not in busy and s.created
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: (s.oldest_runnable() is not None, s.last_used, s.model_id))
+
+    def _residency_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit | None:
+        """Give `stream` a slot: [page out the victim,] then its create or its page-in."""
+        ops: list[SlotOp] = []
+        slot = self._free_slot()
+        if slot is None:
+            victim = self._victim(stream, self._busy_models())
+            if victim is None:
+                return None
+            assert victim.slot is not None
+            slot = victim.slot
+            ops.append(PageOut(model_id=victim.model_id, request_id=page_request_id(victim.model_id), slot=slot))
+        cmd = head.command
+        mid = stream.model_id
+        if isinstance(cmd, CreateModel):
+            ops.append(InitSlot(model_id=mid, request_id=cmd.request_id, slot=slot, lora=cmd.lora, restore=cmd.restore))
+        else:
+            ops.append(PageIn(model_id=mid, request_id=page_request_id(mid), slot=slot))
+        return BarrierUnit(unit_id=self._next_unit_id(), ops=ops, traceparent=cmd.traceparent)
+
     def _work_unit(self, seed: Pending) -> WorkUnit:
         command = seed.command
         assert isinstance(command, ForwardBackward)
         key = loss_class(command)
         rows: list[tuple[int, int, ModelStream, Pending]] = []
         for stream in self.state.streams.values():
-            if stream.closed:
+            if stream.closed or stream.slot is None:  # only resident models' datums are packed
                 continue
             for pending in stream.open_window():
                 cmd = pending.command
@@ -296,7 +372,7 @@ class Planner:
         chosen = [(stream, head)]
         if isinstance(head.command, OptimStep):
             for other in self.state.streams.values():
-                if other is stream or other.closed:
+                if other is stream or other.closed or other.slot is None:
                     continue
                 barrier = other.ready_barrier()
                 if barrier is not None and isinstance(barrier.command, OptimStep):
@@ -310,10 +386,8 @@ class Planner:
         cmd = pending.command
         rid, mid, slot = cmd.request_id, stream.model_id, stream.slot
         dirty = pending.window in stream.dirty
-        if isinstance(cmd, CreateModel):
-            free = self._free_slot() if slot is None else slot
-            assert free is not None
-            return InitSlot(model_id=mid, request_id=rid, slot=free, lora=cmd.lora, restore=cmd.restore)
+        if isinstance(cmd, UnloadModel) and slot is None and stream.paged:
+            return DropPaged(model_id=mid, request_id=rid)
         if slot is None or not stream.created:
             return FailRequest(model_id=mid, request_id=rid, error=f"model {mid} is not loaded")
         match cmd:
@@ -359,14 +433,21 @@ class Planner:
         stream = self.state.streams.get(op.model_id)
         if stream is None:
             return
-        if isinstance(op, InitSlot):
-            stream.slot = op.slot
-            self.state.slots[op.slot] = op.model_id
-        elif isinstance(op, (StepSlot, DiscardSlot)):
-            stream.consume_window()
-        elif isinstance(op, ReleaseSlot):
-            self._free(stream)
-            stream.close("was unloaded")
+        match op:
+            case InitSlot() | PageIn():
+                stream.slot, stream.paged = op.slot, False
+                self.state.slots[op.slot] = op.model_id
+            case PageOut():
+                self._free(stream)
+                stream.paged = True
+            case StepSlot() | DiscardSlot():
+                stream.consume_window()
+            case ReleaseSlot():
+                self._free(stream)
+                stream.close("was unloaded")
+            case DropPaged():
+                stream.paged = False
+                stream.close("was unloaded")
 
     def _free(self, stream: ModelStream) -> None:
         """Give the stream's slot back (only if it still holds it: replay folds outcomes late)."""
@@ -465,16 +546,16 @@ class Planner:
             case _ if info.get(HANDOFF):
                 return None
             case CreateModel(restore=restore) if restore is not None:  # create mode of load_weights
-                return JsonResult(body={"model_id": mid, "path": restore.tinker_path, "type": "load_weights"})
+                return LoadWeightsResponse(model_id=mid, path=restore.tinker_path)
             case CreateModel():
-                return JsonResult(body={"model_id": mid, "type": "create_model"})
+                return CreateModelResponse(model_id=mid)
             case OptimStep():
-                return JsonResult(body={"metrics": dict(metrics), "type": "optim_step"})
+                return OptimStepResponse(metrics=dict(metrics))
             case LoadWeights(restore=restore):
-                return JsonResult(body={"path": restore.tinker_path, "type": "load_weights"})
+                return LoadWeightsResponse(path=restore.tinker_path)
             case UnloadModel():
-                return JsonResult(body={"model_id": mid, "type": "unload_model"})
-        return JsonResult(body=dict(info))
+                return UnloadModelResponse(model_id=mid)
+        return Failure(error=f"no result for {type(pending.command).__name__}", category="server")
 
     def unit_traces(self, unit: Unit) -> list[str]:
         """The trace contexts of every request a unit serves (a packed unit serves many traces)."""

@@ -25,11 +25,11 @@ from infra.streams import ensure_streams, planner_durables
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.events import RequestCompleted, RequestFailed, UnitPlanned
+from libs.contracts.events import RequestCompleted, RequestFailed, SlotAssigned, UnitPlanned
 from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
-from libs.contracts.work import BarrierUnit, Unit, WorkUnit
+from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from libs.faults import crash_point
 from services.planner import snapshot
 from services.planner.config import PlannerConfig
@@ -102,7 +102,9 @@ class PlannerService:
         )
         self._replayed = self.planner.collect()  # published (again, at most once) before going live
         # Re-checked on _advance. Samples waiting for an engine are the gateway's records, not ours.
-        self._paused = {s.untoken(key) for key in await self._queue_keys() if "=sample=" not in key}
+        self._paused = {
+            owner for owner in map(s.untoken, await self._queue_keys()) if not ids.is_sampler_id(owner)
+        }
         log.info(
             "replayed %d requests, %d units, %d outcomes after snapshot %s",
             *counts,
@@ -205,13 +207,16 @@ class PlannerService:
             return []
 
     async def _publish_queue_state(self) -> None:
-        """Mark create_model requests that wait for a free slot, so try_again says paused_capacity."""
+        """Mark requests that wait for an adapter slot, so try_again says paused_capacity."""
         waiting = set(self.planner.waiting_for_capacity())
         if waiting == self._paused:
             return
         kv = await self.bus.kv(s.KV_QUEUE)
         for request_id in sorted(waiting - self._paused):
-            reason = f"all {self.config.num_slots} adapter slots are in use; waiting for one to be freed"
+            reason = (
+                f"all {self.config.num_slots} adapter slots hold models with work in flight; "
+                "waiting for one of them to finish, then this model gets its slot"
+            )
             record = QueueRecord(
                 request_id=request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
             )
@@ -244,6 +249,8 @@ class PlannerService:
             requests = sorted({op.request_id for op in unit.ops})
             kind = "+".join(sorted({str(type(op).__struct_config__.tag) for op in unit.ops}))
             tokens = 0
+        if isinstance(unit, BarrierUnit):
+            self._emit_slot_assignments(unit)
         self.bus.emit_soon(
             UnitPlanned(
                 unit_id=unit.unit_id,
@@ -255,6 +262,20 @@ class PlannerService:
                 at_ns=now_ns(),
             )
         )
+
+    def _emit_slot_assignments(self, unit: BarrierUnit) -> None:
+        evicted = {op.slot: op.model_id for op in unit.ops if isinstance(op, PageOut)}
+        for op in unit.ops:
+            if isinstance(op, (InitSlot, PageIn)):
+                self.bus.emit_soon(
+                    SlotAssigned(
+                        model_id=op.model_id,
+                        slot=op.slot,
+                        reason="create" if isinstance(op, InitSlot) else "page_in",
+                        evicted=evicted.get(op.slot, ""),
+                        at_ns=now_ns(),
+                    )
+                )
 
     async def _publish_completions(self, completions: list[Completion]) -> None:
         for done in completions:

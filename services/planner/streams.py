@@ -90,7 +90,9 @@ class ModelStream:
     watermark: int = -1  # highest seq_id moved into `queue` (create is seq 0)
     buffered: dict[int, tuple[ModelCommand, int]] = field(default_factory=dict)
     queue: list[Pending] = field(default_factory=list)
-    slot: int | None = None
+    slot: int | None = None  # the adapter slot it holds (resident), None when it holds none
+    paged: bool = False  # its training state is in the trainer's page store (not resident)
+    last_used: int = -1  # number of the last unit that served it: least recently used goes first
     created: bool = False
     closed: bool = False
     closed_reason: str = ""  # completes "model <id> ..." in the error of requests that cannot run
@@ -190,6 +192,14 @@ class ModelStream:
             elif not pending.complete:
                 break
         return run
+
+    def oldest_runnable(self) -> Pending | None:
+        """The oldest command that could be handed to a trainer now: a window command with
+        datums left to issue, or the ready barrier."""
+        rows = [p for p in self.open_window() if p.issued < p.num_datums]
+        barrier = self.ready_barrier()
+        candidates = [*rows, *([barrier] if barrier is not None else [])]
+        return min(candidates, key=lambda p: p.arrival) if candidates else None
 
     def ready_barrier(self) -> Pending | None:
         """The first barrier when everything before it has completed and it was not issued yet."""

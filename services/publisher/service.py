@@ -1,9 +1,9 @@
-"""The publisher: materializes snapshots and registers them.
+"""The publisher: materializes checkpoints (training states and sampler exports) and registers them.
 
-For each PublishSnapshot (from a trainer): copy the staging directory into an immutable version
+For each PublishCommand (from a trainer): copy the staging directory into an immutable version
 directory (atomic: temp, fsync, rename), switch the public name to it (atomic symlink swap),
 record the checkpoint in the catalogue (or the ephemeral sampler's adapter), answer the request's
-future and emit SnapshotPublished. Every step is idempotent, and the message is acked last, so a
+future and emit CheckpointPublished. Every step is idempotent, and the message is acked last, so a
 publisher killed at any point redoes the work on restart with the same result.
 
 A save completes once its directory is durable. The publisher makes no call to a sampling engine:
@@ -29,11 +29,18 @@ from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.events import RequestCompleted, RequestFailed, SnapshotPublished
+from libs.contracts.events import CheckpointPublished, RequestCompleted, RequestFailed
 from libs.contracts.ids import TinkerPath
+from libs.contracts.publish import PublishCommand
 from libs.contracts.records import CheckpointRecord, SamplerRecord
-from libs.contracts.results import Failure, JsonResult, RequestResult, ResultBody
-from libs.contracts.snapshots import PublishSnapshot
+from libs.contracts.results import (
+    Failure,
+    RequestResult,
+    ResultBody,
+    SaveWeightsExternalResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
 from libs.faults import crash_point
 from services.publisher.config import PublisherConfig
 from services.publisher.naming import adapter_name
@@ -41,11 +48,6 @@ from services.publisher.naming import adapter_name
 log = logging.getLogger("tinkerd.publisher")
 
 
-RESULT_TYPE = {
-    "training": "save_weights",
-    "sampler": "save_weights_for_sampler",
-    "external": "save_weights_external",
-}
 
 
 def dir_size(path: Path) -> int:
@@ -101,13 +103,13 @@ class PublisherService:
             except Exception as exc:
                 log.exception("publishing %s failed", publish.request_id)
                 body = Failure(
-                    error=f"publishing the snapshot failed: {type(exc).__name__}: {exc}", category="server"
+                    error=f"publishing the checkpoint failed: {type(exc).__name__}: {exc}", category="server"
                 )
             await self._answer(publish, body)
             crash_point("publisher.answered")  # fault tests: result appended, publication not acked
             await msg.ack()
 
-    async def publish(self, p: PublishSnapshot) -> ResultBody:
+    async def publish(self, p: PublishCommand) -> ResultBody:
         staging = Path(p.staging_dir)
         if p.tinker_path is not None:
             # the path's segment names the catalogue kind (save_weights_external arrives as a
@@ -141,8 +143,7 @@ class PublisherService:
             kv = await self.bus.kv(s.KV_CHECKPOINTS)
             await kv.put(path.key, codec.to_json(record))
             await self._event(p, engine_name, version_dir)
-            size = {"size_bytes": record.size_bytes} if kind == "external" else {}
-            body = JsonResult(body={"path": p.tinker_path, "type": RESULT_TYPE[kind], **size})
+            body = named_save_result(kind, p.tinker_path, record.size_bytes)
         else:
             assert p.sampling_session_id is not None
             version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
@@ -157,15 +158,13 @@ class PublisherService:
             sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
             await kv.put(key, codec.to_json(sampler))
             await self._event(p, engine_name, version_dir)
-            body = JsonResult(
-                body={"sampling_session_id": p.sampling_session_id, "type": "save_weights_for_sampler"}
-            )
+            body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
         shutil.rmtree(staging, ignore_errors=True)
         return body
 
-    async def _event(self, p: PublishSnapshot, engine_name: str, directory: Path) -> None:
+    async def _event(self, p: PublishCommand, engine_name: str, directory: Path) -> None:
         await self.bus.emit(
-            SnapshotPublished(
+            CheckpointPublished(
                 tinker_path=p.tinker_path or p.sampling_session_id or "",
                 adapter_name=engine_name,
                 directory=str(directory),
@@ -177,7 +176,7 @@ class PublisherService:
             )
         )
 
-    async def _answer(self, p: PublishSnapshot, body: ResultBody) -> None:
+    async def _answer(self, p: PublishCommand, body: ResultBody) -> None:
         kind = "save_weights" if p.kind == "training" else "save_weights_for_sampler"
         result = RequestResult(
             kind=kind,
@@ -266,3 +265,14 @@ async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
         await service.run(stop)
     finally:
         await bus.close()
+
+
+def named_save_result(kind: str, path: str, size_bytes: int) -> ResultBody:
+    """The future's result of a named save: the SDK's response type for that save."""
+    match kind:
+        case "training":
+            return SaveWeightsResponse(path=path)
+        case "sampler":
+            return SaveWeightsForSamplerResponse(path=path)
+        case _:
+            return SaveWeightsExternalResponse(path=path, size_bytes=size_bytes)

@@ -15,6 +15,12 @@ LoRA matmuls run once per distinct adapter, never per row.  This is exactly PEFT
 resident, evicting the least recently used unpinned one.  An evicted adapter stays
 registered and is reloaded from its directory on its next use.  Rows that are already
 decoding hold their adapter object, so an eviction or unload never disturbs them.
+
+Why not PEFT itself: its mixed-adapter batches (``adapter_names=`` per forward) fix the
+adapter of every row for one call, while continuous batching changes the rows between
+decode steps and admits new adapters mid-batch; and PEFT keeps every loaded adapter in the
+model, with no bound and no eviction.  PEFT is therefore a test dependency only: the
+sampler's tests check this module against PEFT's own forward on the same directories.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""
     snapshot_every_s: float = 120.0
     """...or after this many seconds with work done, whichever comes first. Replay stays short."""
+    host_page_budget_bytes: int = 8 << 30
+    """Paged-out models' state kept in host memory; beyond it the oldest go to disk (a cache:
+    recovery never needs it, see paging.py)."""
     unit_timeout_s: float = 900.0
     """A unit still running after this long means a wedged trainer (a hung kernel, a deadlock):
     the trainer exits, is restarted by its supervisor, and the unit is delivered again."""

@@ -26,12 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from libs.contracts.common import AdamParams, LoraConfig
 from libs.contracts.loss_specs import resolve_config, validate_loss_request
 from services.trainer import slot_state
-from services.trainer.lora import AdapterPool, SlotConfig
+from services.trainer.lora import AdapterPool
 from services.trainer.losses import LOSS_FNS
 from services.trainer.model import build_model
-from services.trainer.optim import AdamParams, SlotAdamW, StepReport, zero_grads
+from services.trainer.optim import SlotAdamW, StepReport, zero_grads
 from services.trainer.packing import DatumInput, PackedBatch, pack
 from services.trainer.parallel import ensure_model_parallel, tp_all_gather
 from services.trainer.peft_export import export_peft
@@ -42,7 +43,7 @@ __all__ = [
     "DatumInput",
     "DatumOutput",
     "EngineConfig",
-    "SlotConfig",
+    "LoraConfig",
     "SlotState",
     "StepReport",
     "TrainerEngine",
@@ -100,20 +101,11 @@ class TrainerEngine:
 
     # ---- slot lifecycle ----
 
-    def init_slot(
-        self,
-        slot: int,
-        rank: int,
-        seed: int,
-        train_attn: bool = True,
-        train_mlp: bool = True,
-        train_unembed: bool = True,
-    ) -> None:
+    def init_slot(self, slot: int, lora: LoraConfig) -> None:
         """Give ``slot`` a fresh adapter (seeded A, zero B) and fresh optimizer state."""
-        config = SlotConfig(rank, seed, train_attn, train_mlp, train_unembed)
-        if not (train_attn or train_mlp or train_unembed):
+        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
             raise ValueError("a slot must train at least one of attn, mlp, unembed")
-        self.pool.init_slot(slot, config)
+        self.pool.init_slot(slot, lora)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
 

@@ -50,32 +50,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from libs.contracts.common import LoraConfig
 from services.trainer.convert import ModelShape, ShardKind, shard
 from services.trainer.parallel import tp_rank, tp_size
 
 LORA_ALPHA = 32.0
 
 
-@dataclass(frozen=True)
-class SlotConfig:
-    """One slot's adapter configuration."""
-
-    rank: int
-    seed: int
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-
-    @property
-    def alpha(self) -> float:
-        return LORA_ALPHA
-
-    @property
-    def scaling(self) -> float:
-        return LORA_ALPHA / self.rank
-
-    def trains(self, group: str) -> bool:
-        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[group]
+def lora_scaling(rank: int) -> float:
+    """PEFT's ``lora_alpha / r``: the factor on every adapter's output."""
+    return LORA_ALPHA / rank
 
 
 @dataclass(frozen=True)
@@ -136,7 +120,7 @@ class SlotRouting:
 
     def __init__(self) -> None:
         self.segments: list[Segment] = []
-        self.configs: dict[int, SlotConfig] = {}
+        self.configs: dict[int, LoraConfig] = {}
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
@@ -158,7 +142,7 @@ class SlotRouting:
             ]  # len(slots): the all-zero entry
             self._groups[key] = GroupLayout(
                 slots=torch.tensor(slots, device=x.device),
-                scale=torch.tensor([self.configs[s].scaling for s in slots], device=x.device),
+                scale=torch.tensor([lora_scaling(self.configs[s].rank) for s in slots], device=x.device),
                 rank=max(self.configs[s].rank for s in slots),
                 weight=torch.tensor(weight, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
@@ -258,7 +242,7 @@ class SlotAdapter(nn.Module):
             cfg = routing.configs[slots[0]]
             a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
             b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
-            return region((x @ a.t()) * cfg.scaling) @ b.t()  # [T, 1, out]
+            return region((x @ a.t()) * lora_scaling(cfg.rank)) @ b.t()  # [T, 1, out]
         if routing.stacked and grouped_mm_supported(x):
             return self._grouped(x, region)
         return self._per_segment(x, region)
@@ -307,7 +291,7 @@ class SlotAdapter(nn.Module):
             cfg = routing.configs[seg.slot]
             rank = cfg.rank if cfg.trains(self.target.group) else 0
             b = self.lora_B[seg.slot, :, :rank].to(x.dtype)  # [out, rank]
-            out.append((h[seg.start : seg.end, ..., :rank] @ b.t()) * cfg.scaling)  # [t, 1, out]
+            out.append((h[seg.start : seg.end, ..., :rank] @ b.t()) * lora_scaling(cfg.rank))  # [t, 1, out]
         return torch.cat(out, dim=0)  # [T, 1, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -349,7 +333,7 @@ class AdapterPool(nn.Module):
         self._handles: list[Any] = []
 
     @property
-    def configs(self) -> dict[int, SlotConfig]:
+    def configs(self) -> dict[int, LoraConfig]:
         return self.routing.configs
 
     def adapter(self, path: str) -> SlotAdapter:
@@ -364,8 +348,10 @@ class AdapterPool(nn.Module):
             hook: Callable[..., Any] = self.adapter(target.path).hook
             self._handles.append(modules[target.path].register_forward_hook(hook))
 
-    def init_slot(self, slot: int, config: SlotConfig) -> None:
+    def init_slot(self, slot: int, config: LoraConfig) -> None:
         """Fresh adapter for ``slot``: seeded A on enabled modules, every other entry zero."""
+        if config.seed is None:
+            raise ValueError("a slot's LoRA config needs a seed (the trainer derives one per model)")
         self._check_slot(slot)
         if not 1 <= config.rank <= self.max_rank:
             raise ValueError(f"rank {config.rank} outside [1, {self.max_rank}]")

@@ -28,21 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.contracts.common import AdamParams
 from services.trainer.convert import ShardKind
 from services.trainer.lora import SlotTensor
 from services.trainer.parallel import tp_all_reduce_sum
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One ``optim_step`` request's hyper-parameters (Tinker's ``AdamParams``)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0: no clipping
 
 
 @dataclass(frozen=True)

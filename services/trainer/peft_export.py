@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from services.trainer.convert import ModelShape, split_glu, split_qkv
+from services.trainer.lora import LORA_ALPHA
 from services.trainer.slot_state import SlotState
 
 _PREFIX = "base_model.model."
@@ -66,9 +67,7 @@ def export_peft(
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "r": state.config.rank,
-        "lora_alpha": int(state.config.alpha)
-        if float(state.config.alpha).is_integer()
-        else state.config.alpha,
+        "lora_alpha": int(LORA_ALPHA) if LORA_ALPHA.is_integer() else LORA_ALPHA,
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": sorted(targets),

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from libs.contracts.common import LoraConfig
 from services.trainer.convert import shard, unshard
-from services.trainer.lora import AdapterPool, SlotConfig
+from services.trainer.lora import AdapterPool
 from services.trainer.optim import SlotAdamW
 from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
 
@@ -26,7 +27,7 @@ from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
 class SlotState:
     """Everything needed to resume one slot (see module docstring for the layout)."""
 
-    config: SlotConfig
+    config: LoraConfig
     step: int
     adapter: dict[str, torch.Tensor]
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -1,12 +1,17 @@
-"""Internal snapshots of every slot, so that recovery replays only the units after the newest one.
+"""Internal snapshots of the trainer's state, so that recovery replays only the units after one.
 
-A snapshot captures, for each occupied slot, the model it serves, its full training state (adapter,
-AdamW moments, step counter) and its accumulated gradients, plus the work-stream sequence of the
-last unit it includes. Restoring it and re-executing the later units (those that have outcomes)
-reproduces the trainer's state bit for bit. Snapshots are written atomically; the last two are kept.
+A snapshot captures, for each occupied slot, the model it serves and its complete training
+state (adapter, AdamW moments and step counter, accumulated gradients), every paged-out model's
+state the same way, and the work-stream sequence of the last unit it includes. Restoring it and
+re-executing the later units (those that have outcomes) reproduces the trainer's state bit for
+bit. Snapshots are written atomically; the last two are kept.
 
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slots.json
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slot-<n>.safetensors
+    DATA/trainer/<group>/snapshots/<work_seq:012d>/paged-<model token>.safetensors
+
+A paged state already on disk is hard-linked into the snapshot, not copied, and the page store
+then reads it from there (the spill file goes).
 """
 
 from __future__ import annotations
@@ -15,54 +20,57 @@ import shutil
 from pathlib import Path
 
 import msgspec
-from safetensors.torch import load_file, save
 
 from libs.checkpoints import layout
+from libs.contracts.ids import token
+from services.trainer import paging
 from services.trainer.engine import TrainerEngine
-from services.trainer.lora import SlotConfig
-from services.trainer.slot_state import SlotState
 
 KEEP = 2
-
-
-class SlotEntry(msgspec.Struct):
-    slot: int
-    model_id: str
-    rank: int
-    seed: int
-    train_attn: bool
-    train_mlp: bool
-    train_unembed: bool
-    step: int
-    pending: bool
+INDEX = "slots.json"
 
 
 class SnapshotIndex(msgspec.Struct):
     work_seq: int
-    slots: list[SlotEntry]
+    slots: dict[int, str] = {}  # slot -> model id
+    paged: list[str] = []  # model ids
 
 
 def root(data_dir: Path, group: str) -> Path:
     return data_dir / "trainer" / group / "snapshots"
 
 
-def take(engine: TrainerEngine, slot_models: dict[int, str], data_dir: Path, group: str, work_seq: int) -> Path:
+def _paged_file(model_id: str) -> str:
+    return f"paged-{token(model_id)}.safetensors"
+
+
+def take(
+    engine: TrainerEngine,
+    slot_models: dict[int, str],
+    store: paging.PageStore,
+    data_dir: Path,
+    group: str,
+    work_seq: int,
+) -> Path:
     """Write a snapshot covering every unit up to `work_seq`; returns its directory."""
     files: dict[str, bytes] = {}
-    entries = []
-    pending = engine.pending_slots
+    links: dict[str, Path] = {}
     for slot, model_id in sorted(slot_models.items()):
-        state = engine.get_slot_state(slot)
-        grads = engine.get_slot_grads(slot)
-        tensors = {f"adapter.{k}": v for k, v in state.adapter.items()}
-        tensors |= {f"exp_avg.{k}": v for k, v in state.exp_avg.items()}
-        tensors |= {f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()}
-        tensors |= {f"grad.{k}": v for k, v in grads.items()}
-        files[f"slot-{slot}.safetensors"] = save({k: v.contiguous() for k, v in tensors.items()})
-        c = state.config
-        entries.append(SlotEntry(slot, model_id, c.rank, c.seed, c.train_attn, c.train_mlp, c.train_unembed, state.step, slot in pending))
-    files["slots.json"] = msgspec.json.encode(SnapshotIndex(work_seq, entries))
-    directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files)
+        files[f"slot-{slot}.safetensors"] = paging.encode(paging.capture(engine, slot, model_id))
+    for model_id in store.models:
+        held = store.state_of(model_id)
+        if held is not None:
+            files[_paged_file(model_id)] = paging.encode(held)
+        else:
+            path = store.file_of(model_id)
+            assert path is not None
+            links[_paged_file(model_id)] = path
+    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models)
+    files[INDEX] = msgspec.json.encode(index)
+    directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files, links=links)
+    for model_id in index.paged:
+        if store.file_of(model_id) is not None:
+            store.adopt(model_id, directory / _paged_file(model_id))  # the old link may be collected
     for old in sorted(p for p in root(data_dir, group).iterdir() if p.is_dir() and not p.name.startswith("."))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return directory
@@ -72,24 +80,15 @@ def latest(data_dir: Path, group: str) -> Path | None:
     base = root(data_dir, group)
     if not base.exists():
         return None
-    done = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "slots.json").exists())
+    done = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / INDEX).exists())
     return done[-1] if done else None
 
 
-def restore(engine: TrainerEngine, directory: Path) -> tuple[int, dict[int, str]]:
-    """Load a snapshot into the engine. Returns (work_seq it covers, slot -> model id)."""
-    index = msgspec.json.decode((directory / "slots.json").read_bytes(), type=SnapshotIndex)
-    slot_models: dict[int, str] = {}
-    for entry in index.slots:
-        tensors = load_file(str(directory / f"slot-{entry.slot}.safetensors"))
-
-        def part(prefix: str, tensors: dict = tensors) -> dict:  # type: ignore[type-arg]
-            return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-
-        config = SlotConfig(entry.rank, entry.seed, entry.train_attn, entry.train_mlp, entry.train_unembed)
-        engine.init_slot(entry.slot, entry.rank, entry.seed, entry.train_attn, entry.train_mlp, entry.train_unembed)
-        state = SlotState(config, entry.step, part("adapter."), part("exp_avg."), part("exp_avg_sq."))
-        engine.set_slot_state(entry.slot, state, with_optimizer=True)
-        engine.set_slot_grads(entry.slot, part("grad."), entry.pending)
-        slot_models[entry.slot] = entry.model_id
-    return index.work_seq, slot_models
+def restore(engine: TrainerEngine, store: paging.PageStore, directory: Path) -> tuple[int, dict[int, str]]:
+    """Load a snapshot into the engine and the page store. Returns (work_seq, slot -> model id)."""
+    index = msgspec.json.decode((directory / INDEX).read_bytes(), type=SnapshotIndex)
+    for slot in index.slots:
+        paging.restore(engine, slot, paging.decode(directory / f"slot-{slot}.safetensors"))
+    for model_id in index.paged:
+        store.adopt(model_id, directory / _paged_file(model_id))
+    return index.work_seq, dict(index.slots)

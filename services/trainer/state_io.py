@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file, save
 
 from libs.checkpoints import state_format as fmt
-from services.trainer.lora import SlotConfig
 from services.trainer.slot_state import SlotState
 
 
@@ -30,12 +29,12 @@ def read_training_state(directory: Path) -> tuple[SlotState, fmt.TrainingStateMe
     """Load a save_state checkpoint. Raises ValueError naming what is wrong with it."""
     meta_path = directory / fmt.STATE_FILE
     if not meta_path.exists():
-        if (directory / fmt.SNAPSHOT_META).exists() or (directory / "adapter_config.json").exists():
+        if (directory / fmt.EXPORT_META).exists() or (directory / "adapter_config.json").exists():
             raise ValueError(
-                "this is a sampler snapshot (weights only); restore from a save_state checkpoint"
+                "this is a sampler export (weights only); restore from a save_state checkpoint"
             )
         raise ValueError(f"{directory.name} is not a training checkpoint (no {fmt.STATE_FILE})")
-    meta = msgspec.json.decode(meta_path.read_bytes(), type=fmt.TrainingStateMeta)
+    meta = fmt.decode_training_meta(meta_path.read_bytes())
     if meta.kind != "training":
         raise ValueError(f"checkpoint kind is {meta.kind!r}, expected a training state")
     if meta.format_version != fmt.FORMAT_VERSION or meta.layout != "megatron-tp1":
@@ -44,15 +43,14 @@ def read_training_state(directory: Path) -> tuple[SlotState, fmt.TrainingStateMe
     moments = load_file(str(directory / fmt.OPTIMIZER_FILE))
     exp_avg = {k.removeprefix("exp_avg."): v for k, v in moments.items() if k.startswith("exp_avg.")}
     exp_avg_sq = {k.removeprefix("exp_avg_sq."): v for k, v in moments.items() if k.startswith("exp_avg_sq.")}
-    config = SlotConfig(meta.rank, meta.seed, meta.train_attn, meta.train_mlp, meta.train_unembed)
-    return SlotState(config, meta.step, adapter, exp_avg, exp_avg_sq), meta
+    return SlotState(meta.lora, meta.step, adapter, exp_avg, exp_avg_sq), meta
 
 
 def peft_files(
-    tensors: dict[str, torch.Tensor], adapter_config: dict[str, object], meta: fmt.SnapshotMeta
+    tensors: dict[str, torch.Tensor], adapter_config: dict[str, object], meta: fmt.SamplerExportMeta
 ) -> dict[str, bytes]:
     return {
         "adapter_model.safetensors": save({k: v.contiguous() for k, v in tensors.items()}),
         "adapter_config.json": msgspec.json.format(msgspec.json.encode(adapter_config), indent=2),
-        fmt.SNAPSHOT_META: msgspec.json.encode(meta),
+        fmt.EXPORT_META: msgspec.json.encode(meta),
     }

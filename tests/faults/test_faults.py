@@ -173,7 +173,7 @@ def test_redelivered_messages_have_no_second_effect(tmp_path: Path, reference: d
         kill("trainer")(stack)
 
     # after the first save was published, so that every stream has a newest message to copy
-    scenario(tmp_path, reference, trigger=("snapshot_published", 1, action), injected=injected)
+    scenario(tmp_path, reference, trigger=("checkpoint_published", 1, action), injected=injected)
     assert len(injected) == 4
 
 

@@ -109,7 +109,7 @@ class Watcher:
         self.nats_url = nats_url
         self.cond = threading.Condition()
         self.completed: list[str] = []  # kinds of RequestCompleted, in arrival order
-        self.published: list[str] = []  # model ids of SnapshotPublished, in arrival order
+        self.published: list[str] = []  # model ids of CheckpointPublished, in arrival order
         self.paused: dict[str, QueueRecord] = {}  # sample request id -> record, while it waits
         self.paused_ever: dict[str, QueueRecord] = {}
         self._triggers: list[tuple[Callable[[Watcher], bool], Callable[[], None]]] = []
@@ -128,7 +128,7 @@ class Watcher:
                 with self.cond:
                     if kind == "completed":
                         self.completed.append(str(body.get("kind")))
-                    elif kind == "snapshot_published":
+                    elif kind == "checkpoint_published":
                         self.published.append(str(body.get("model_id")))
                     self._changed()
 

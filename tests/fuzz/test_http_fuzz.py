@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from tinker import types
 
 from services.gateway import tinker_wire as w
-from services.gateway.app import ROUTE_MODULES
+from services.gateway.app import ALL_ROUTES
 from services.gateway.routes import unsupported
 from tests.fuzz.test_proto_fuzz import mutated, sdk_request
 from tests.harness import Stack
@@ -152,12 +152,11 @@ def body_strategy(data_type: Any) -> st.SearchStrategy[bytes]:
 
 def routes() -> list[tuple[str, str, Any]]:
     out = []
-    for module in ROUTE_MODULES:
-        for handler in module.ROUTES:
-            hints = typing.get_type_hints(handler.fn)
-            for path in sorted(handler.paths):
-                for method in sorted(handler.http_methods):
-                    out.append((method, path, JSON_BODIES.get(path, hints.get("data"))))
+    for handler in ALL_ROUTES:
+        hints = typing.get_type_hints(handler.fn)
+        for path in sorted(handler.paths):
+            for method in sorted(handler.http_methods):
+                out.append((method, path, JSON_BODIES.get(path, hints.get("data"))))
     return out
 
 

@@ -42,7 +42,7 @@ ENV_EXAMPLE = INFRA / "tinkerd.env.example"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
 DATA_VOLUME = "tinkerd-data"
-"""The named volume holding checkpoints, sampler snapshots, staging and base models."""
+"""The named volume holding checkpoints, sampler exports, staging and base models."""
 SHARE_CHECKPOINTS = ("gateway", "trainer", "publisher", "sglang")
 GPU_SERVICES = ("trainer", "sglang")
 TINKERD_SERVICES = ("gateway", "planner", "trainer", "publisher")

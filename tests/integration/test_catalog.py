@@ -24,9 +24,6 @@ from tinker import types
 from infra.bus import Bus
 from libs.contracts import subjects as s
 from services.gateway import downloads
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import Forbidden
-from services.gateway.routes.operator import require_operator
 from tests.harness import Stack
 
 SECRET = "test-signing-secret"
@@ -221,16 +218,6 @@ def test_downloads_refuse_bad_or_expired_signatures(stack: Stack) -> None:
     assert "signature is invalid" in status(httpx.get(base, params=tampered), 403)["error"]
 
 
-def test_signed_paths_outside_the_data_root_are_refused(tmp_path: Path) -> None:
-    root, secret, later = tmp_path / "data", b"k", str(int(time.time()) + 60)
-    root.mkdir()
-    (tmp_path / "outside").write_text("secret")
-    (root / "link").symlink_to(tmp_path / "outside")
-    for relative in ("../outside", "link", "/etc/passwd"):
-        with pytest.raises(Forbidden):
-            downloads.verify(secret, root, relative, later, downloads.signature(secret, relative, int(later)))
-
-
 def test_archive_is_a_tar_of_the_checkpoint(stack: Stack) -> None:
     archive = status(http(stack).get(checkpoint_url(S.state, "/archive")), 200)
     response = httpx.get(archive["url"])
@@ -266,19 +253,6 @@ def test_operator_status_and_metrics(stack: Stack) -> None:
     assert 'tinkerd_gateway_requests_accepted_total{kind="save_weights"}' in text
     assert 'tinkerd_gateway_requests_completed_total{kind="save_weights",outcome="ok"}' in text
     assert "tinkerd_gateway_futures_waiting " in text and "tinkerd_gateway_sampling_permits_in_use 0" in text
-
-
-def test_operator_routes_refuse_remote_clients_without_the_admin_key() -> None:
-    gateway = SimpleNamespace(config=GatewayConfig(admin_key="sesame"))
-
-    def request(host: str, key: str | None = None) -> Any:
-        return SimpleNamespace(client=SimpleNamespace(host=host), headers={"x-admin-key": key} if key else {})
-
-    require_operator(request("127.0.0.1"), gateway)  # type: ignore[arg-type]
-    require_operator(request("10.1.2.3", "sesame"), gateway)  # type: ignore[arg-type]
-    for refused in (request("10.1.2.3"), request("10.1.2.3", "wrong")):
-        with pytest.raises(Forbidden):
-            require_operator(refused, gateway)  # type: ignore[arg-type]
 
 
 def test_close(stack: Stack) -> None:

@@ -49,7 +49,7 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def snapshots(model_dir: Path, data_root: Path) -> list[Adapter]:
-    """Four sampler snapshots under the data root, each a different random PEFT LoRA."""
+    """Four sampler exports under the data root, each a different random PEFT LoRA."""
     out = []
     for i in range(4):
         directory = random_peft_adapter(model_dir, data_root / "samplers" / f"s{i}", seed=300 + i, rank=4)

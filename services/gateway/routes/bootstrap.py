@@ -8,6 +8,7 @@ import uuid
 import msgspec
 from litestar import Request, Response, get, post
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
@@ -107,7 +108,7 @@ async def finish_session(
     # The session's models give their adapter slots back once their queued work has run;
     # their checkpoints stay. (Repeated on a retried finish: unloading is idempotent.)
     for _, model in await gateway.store.scan(
-        s.KV_MODELS, ModelRecord, prefix=f"{s.token(session_id)}=train="
+        s.KV_MODELS, ModelRecord, prefix=ids.session_models_prefix(session_id)
     ):
         if model.tenant == tenant.id and model.copy_of is None:  # copies were never loaded
             await unload(gateway, model)
@@ -175,6 +176,6 @@ ROUTES = [
     finish_session,
     telemetry,
     get_server_capabilities,
-    healthz,
     apikey_me,
 ]
+PUBLIC_ROUTES = [healthz]

@@ -232,5 +232,5 @@ ROUTES = [
     weights_info,
     external_weights_urls,
     checkpoint_archive,
-    download,
 ]
+PUBLIC_ROUTES = [download]  # signed URLs: the signature is the credential

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
@@ -22,7 +23,7 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
     """(tenant owning the request, its identity claim) — both None when unknown."""
     if not s.is_valid_id(request_id) or ":" not in request_id:
         return None, None
-    entity, _, seq = request_id.rpartition(":")
+    entity, seq = ids.split_request_id(request_id)
     if seq == "unload":  # lifecycle requests have no seq claim (see submit.unload)
         model = await gateway.store.get(s.KV_MODELS, s.token(entity), ModelRecord)
         if model is None or not model.unloaded:
@@ -32,7 +33,7 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
         )
     if not seq.lstrip("-").isdigit():
         return None, None
-    if ":sample:" in entity:
+    if ids.is_sampler_id(entity):
         sampler = await gateway.store.get(s.KV_SAMPLERS, s.token(entity), SamplerRecord)
         claim = await gateway.store.get(s.KV_SAMPLE_SEQ, s.seq_key(entity, int(seq)), SeqClaim)
         return (sampler.tenant if sampler else None), claim

@@ -17,7 +17,7 @@ import numpy as np
 from litestar import get, post
 
 from infra import tracing
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
@@ -42,7 +42,7 @@ async def create_sampling_session(
     data: w.CreateSamplingSessionRequest, gateway: Gateway, tenant: Tenant
 ) -> w.CreateSamplingSessionResponse:
     await owned_session(gateway, tenant, data.session_id)
-    sampler_id = f"{data.session_id}:sample:{data.sampling_session_seq_id}"
+    sampler_id = ids.sampler_id(data.session_id, data.sampling_session_seq_id)
     record = SamplerRecord(
         sampler_id=sampler_id,
         tenant=tenant.id,
@@ -181,7 +181,7 @@ def _sample_job(
         prompt_logprobs_last_n=data.prompt_logprobs_last_n,
         tenant=tenant.id,
         model_id=sampler.sampler_id,
-        request_id=f"{sampler.sampler_id}:{seq}",
+        request_id=ids.request_id(sampler.sampler_id, seq),
         seq_id=seq,
         at_ns=now_ns(),
         traceparent=tracing.current_traceparent(),
@@ -197,7 +197,7 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     if seq < 0:
         raise BadRequest(f"seq_id must be >= 0, got {seq}")
     prompt, max_tokens = _checked_prompt(data, gateway)
-    request_id = f"{sampler.sampler_id}:{seq}"
+    request_id = ids.request_id(sampler.sampler_id, seq)
     claim = SeqClaim(
         request_id=request_id,
         fingerprint=fingerprint_json("sample", msgspec.to_builtins(data)),
@@ -231,7 +231,7 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
         fault_point="gateway.sample_claimed",
     )
     gateway.metrics.accepted["sample"] += fresh
-    sequence_ids = [f"{request_id}:{i}" for i in range(data.num_samples)]
+    sequence_ids = [ids.sequence_id(request_id, i) for i in range(data.num_samples)]
     return w.UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
 
 

@@ -1,7 +1,7 @@
 """Sessions as RestClient lists them: ids, and the training runs and samplers each one created.
 
-Runs and samplers are found by key prefix in their KV buckets (`{session}=train=...`,
-`{session}=sample=...`, see `subjects.token`). Another tenant's session is a 404.
+Runs and samplers are found by key prefix in their KV buckets (`ids.session_models_prefix`,
+`ids.session_samplers_prefix`). Another tenant's session is a 404.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 from litestar import get, put
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.records import ModelRecord, SamplerRecord, SessionRecord
 from services.gateway import tinker_wire as w
@@ -35,9 +36,10 @@ async def get_session(
     session_id: str, gateway: Gateway, tenant: Tenant, access_scope: str = "owned"
 ) -> w.GetSessionResponse:
     session = await owned_session(gateway, tenant, session_id)
-    prefix = s.token(session_id)
-    models = await gateway.store.scan(s.KV_MODELS, ModelRecord, prefix=f"{prefix}=train=")
-    samplers = await gateway.store.scan(s.KV_SAMPLERS, SamplerRecord, prefix=f"{prefix}=sample=")
+    models = await gateway.store.scan(s.KV_MODELS, ModelRecord, prefix=ids.session_models_prefix(session_id))
+    samplers = await gateway.store.scan(
+        s.KV_SAMPLERS, SamplerRecord, prefix=ids.session_samplers_prefix(session_id)
+    )
     return w.GetSessionResponse(
         training_run_ids=[m.model_id for _, m in sorted(models, key=lambda kv: kv[1].created_ns)],
         sampler_ids=[x.sampler_id for _, x in sorted(samplers, key=lambda kv: kv[1].created_ns)],

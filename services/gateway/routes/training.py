@@ -12,8 +12,9 @@ import msgspec
 import zstandard
 from litestar import Request, post
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
-from libs.contracts.common import AdamSpec, LoraSpec, now_ns
+from libs.contracts.common import LoraConfig, now_ns
 from libs.contracts.records import ModelRecord
 from libs.contracts.requests import (
     CheckpointRef,
@@ -60,13 +61,13 @@ async def _create(
     tenant: Tenant,
     session_id: str,
     model_seq_id: int,
-    lora: LoraSpec,
+    lora: LoraConfig,
     digest: str,
     user_metadata: dict[str, object] | None,
     restore: CheckpointRef | None,
 ) -> w.UntypedAPIFuture:
     await owned_session(gateway, tenant, session_id)
-    model_id = f"{session_id}:train:{model_seq_id}"  # the SDK computes this id itself
+    model_id = ids.model_id(session_id, model_seq_id)  # the SDK computes this id itself
     record = ModelRecord(
         model_id=model_id,
         tenant=tenant.id,
@@ -101,7 +102,7 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
         raise BadRequest(
             f"base_model {data.base_model!r} is not served here; this deployment serves {gateway.model.name!r}"
         )
-    lora = data.lora_config or w.LoraConfig(rank=32)
+    lora = data.lora_config or LoraConfig(rank=32)
     if not 1 <= lora.rank <= gateway.config.max_lora_rank:
         raise BadRequest(f"lora_config.rank must be in [1, {gateway.config.max_lora_rank}], got {lora.rank}")
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
@@ -112,20 +113,13 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
         )
     if data.model_seq_id < 0:
         raise BadRequest(f"model_seq_id must be >= 0, got {data.model_seq_id}")
-    spec = LoraSpec(
-        rank=lora.rank,
-        seed=lora.seed,
-        train_attn=lora.train_attn,
-        train_mlp=lora.train_mlp,
-        train_unembed=lora.train_unembed,
-    )
     digest = fingerprint_json("create_model", msgspec.to_builtins(data))
     return await _create(
         gateway,
         tenant,
         data.session_id,
         data.model_seq_id,
-        spec,
+        lora,
         digest,
         data.user_metadata,
         None,
@@ -260,8 +254,7 @@ async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant)
         refused = exc if isinstance(exc, BadRequest) else BadRequest(str(exc))
         await append(gateway, tenant, data.model_id, seq, "optim_step", digest, None, refused)
         raise refused from None
-    adam = AdamSpec(**msgspec.structs.asdict(params))
-    command = OptimStep(model_id=data.model_id, seq_id=seq, adam=adam)
+    command = OptimStep(model_id=data.model_id, seq_id=seq, adam=params)
     return _future(
         await append(gateway, tenant, data.model_id, seq, "optim_step", digest, command), data.model_id
     )

@@ -10,8 +10,9 @@ from __future__ import annotations
 import msgspec
 from litestar import post
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
-from libs.contracts.common import LoraSpec, now_ns
+from libs.contracts.common import LoraConfig, now_ns
 from libs.contracts.records import ModelRecord, SamplerRecord
 from libs.contracts.requests import CheckpointRef, LoadWeights, SaveForSampler, SaveWeights
 from services.gateway import tinker_wire as w
@@ -82,19 +83,19 @@ async def save_weights_for_sampler(
 async def register_sampler(
     gateway: Gateway, tenant: Tenant, model: ModelRecord, seq: int, sampling_seq: int | None
 ) -> str:
-    """The sampler an ephemeral snapshot is for, registered before the save can possibly complete
-    (the publisher fills in its adapter when the snapshot is written)."""
+    """The sampler an ephemeral sampler export is for, registered before the save can possibly complete
+    (the publisher fills in its adapter when the export is written)."""
     if sampling_seq is None:
         raise BadRequest(
             "save_weights_for_sampler needs a path (named) or sampling_session_seq_id (ephemeral)"
         )
-    sampler_id = f"{model.session_id}:sample:{sampling_seq}"
+    sampler_id = ids.sampler_id(model.session_id, sampling_seq)
     record = SamplerRecord(
         sampler_id=sampler_id,
         tenant=tenant.id,
         session_id=model.session_id,
         base_model=gateway.model.name,
-        pending_request_id=f"{model.model_id}:{seq}",
+        pending_request_id=ids.request_id(model.model_id, seq),
         created_ns=now_ns(),
     )
     await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
@@ -122,7 +123,7 @@ async def save_weights_external(
 
 async def _restore_ref(
     gateway: Gateway, tenant: Tenant, data: w.LoadWeightsRequest
-) -> tuple[CheckpointRef, LoraSpec]:
+) -> tuple[CheckpointRef, LoraConfig]:
     checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
     ref = CheckpointRef(tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer)
     return ref, checkpoint.lora

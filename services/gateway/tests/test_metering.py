@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from libs.contracts.common import LoraSpec
+from libs.contracts.common import LoraConfig
 from libs.contracts.events import (
     Audited,
+    CheckpointPublished,
     OperationEvent,
     RequestAccepted,
     RequestCompleted,
     RequestFailed,
     SessionEvent,
-    SnapshotPublished,
 )
 from libs.contracts.records import CheckpointRecord
 from libs.models.hf_cache import install_tokenizer
@@ -62,9 +62,9 @@ def test_usage_counts_each_request_once_by_hour_type_and_session() -> None:
         accepted("s-a:train:0:9", 1000, T0 + 9, tenant="t2"),  # another tenant's
         sample("s-b:sample:0:1", 6, 8, 2, T0 + 10),
         sample("s-b:sample:0:1", 6, 8, 2, T0 + 11),  # a redelivered sample reported twice
-        SnapshotPublished(tinker_path="tinker://s-a:train:0/weights/w", adapter_name="", directory="",
+        CheckpointPublished(tinker_path="tinker://s-a:train:0/weights/w", adapter_name="", directory="",
                           tenant="t1", model_id="s-a:train:0", at_ns=T0 + 12),
-        SnapshotPublished(tinker_path="s-a:sample:1", adapter_name="", directory="",
+        CheckpointPublished(tinker_path="s-a:sample:1", adapter_name="", directory="",
                           tenant="t1", model_id="s-a:train:0", at_ns=T0 + 13),  # ephemeral: not a checkpoint
     ]
     totals = metering.fold_usage(events, "t1", T0, T0 + 2 * H)
@@ -183,7 +183,7 @@ def test_jwt_round_trip_expiry_and_tampering() -> None:
 def test_sdks_before_028_see_external_exports_as_sampler_checkpoints() -> None:
     record = CheckpointRecord(
         tinker_path="tinker://s-a:train:0/external_weights/e", training_run_id="s-a:train:0", kind="external",
-        name="e", tenant="t1", base_model="tiny-qwen3", lora=LoraSpec(rank=4), directory="/x", created_ns=T0,
+        name="e", tenant="t1", base_model="tiny-qwen3", lora=LoraConfig(rank=4), directory="/x", created_ns=T0,
     )
     assert not knows_external({"x-stainless-package-version": "0.24.1"})
     assert knows_external({"x-stainless-package-version": "0.28.0"}) and knows_external({})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -693,32 +692,3 @@ def test_structs_travel_as_msgpack() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=tp.ForwardBackwardRequest) == request
     result = tp.forward_backward_output([{"logprobs": np.zeros(3, np.float32)}], {"loss:sum": 1.0})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=tp.ForwardBackwardOutput) == result
-
-
-def test_decoding_a_large_request_is_fast(capsys: pytest.CaptureFixture[str]) -> None:
-    """8 datums x 1024 tokens with targets and weights: prints the decode time (no assertion)."""
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(list(range(i, i + 1024))),
-            loss_fn_inputs=_raw(
-                {
-                    "target_tokens": np.arange(1024, dtype=np.int64),
-                    "weights": np.ones(1024, np.float32),
-                }
-            ),
-        )
-        for i in range(8)
-    ]
-    body = _sdk_request_bytes(data, "cross_entropy")
-    start = time.perf_counter()
-    for _ in range(20):
-        request = tp.decode_forward_backward_request(body)
-        for datum in request.data:
-            tp.model_input_tokens(datum)
-            for tensor in datum.loss_fn_inputs.values():
-                tp.tensor_to_numpy(tensor)
-    elapsed_ms = (time.perf_counter() - start) / 20 * 1000
-    with capsys.disabled():
-        print(
-            f"\ndecode + numpy views of 8x1024-token ForwardBackwardRequest ({len(body)} bytes): {elapsed_ms:.3f} ms"
-        )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from libs.contracts import codec
-from libs.contracts.common import AdamSpec, BusDatum, BusTensor, LoraSpec
+from libs.contracts.common import AdamParams, BusDatum, BusTensor, LoraConfig
 from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
@@ -70,7 +70,7 @@ def create(model: str, tenant: str = "tenant-a") -> CreateModel:
         tenant=tenant,
         session_id="s-1",
         base_model="tiny-qwen3",
-        lora=LoraSpec(rank=4),
+        lora=LoraConfig(rank=4),
     )
 
 
@@ -94,7 +94,7 @@ def fb(
 
 
 def optim(model: str, seq: int, lr: float = 1e-3) -> OptimStep:
-    return OptimStep(model_id=model, seq_id=seq, request_id=rid(model, seq), adam=AdamSpec(learning_rate=lr))
+    return OptimStep(model_id=model, seq_id=seq, request_id=rid(model, seq), adam=AdamParams(learning_rate=lr))
 
 
 def save(model: str, seq: int, name: str = "ckpt") -> SaveWeights:

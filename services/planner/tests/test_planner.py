@@ -14,9 +14,11 @@ from libs.contracts.results import ForwardBackwardResult, JsonResult
 from libs.contracts.work import (
     BarrierUnit,
     DiscardSlot,
+    DropPaged,
     ExportSlot,
     InitSlot,
-    ReleaseSlot,
+    PageIn,
+    PageOut,
     SaveSlot,
     StepSlot,
     Unit,
@@ -379,30 +381,80 @@ def test_a_sampler_save_neither_applies_nor_discards_pending_gradients() -> None
 
 
 # --- slots and closed models -----------------------------------------------------------------
-def test_create_model_waits_for_a_free_slot_and_proceeds_when_one_frees() -> None:
+def test_a_create_pages_out_an_idle_model_which_pages_back_in_for_its_next_command() -> None:
     sim = started("a", num_slots=1)
     sim.send(create("b"), fb("b", 1, [2]))
-    assert sim.plan() == []
-    assert sim.planner.waiting_for_capacity() == ["b:0"]
-    sim.send(unload("a", 1))
-    units = sim.plan()
-    assert [ops(u) for u in units] == [[ReleaseSlot], [InitSlot]]
-    assert units[1].ops[0].slot == 0  # type: ignore[union-attr]
-    assert sim.planner.waiting_for_capacity() == []
-    for unit in units:
-        sim.finish(unit)
+    [init] = sim.plan()
+    assert ops(init) == [PageOut, InitSlot]
+    assert [(op.model_id, op.slot) for op in init.ops] == [("a", 0), ("b", 0)]  # type: ignore[union-attr]
+    sim.finish(init)
+    [work] = sim.plan()
+    assert isinstance(work, WorkUnit) and work.items[0].slot == 0
+    sim.finish(work)
+    sim.send(fb("a", 1, [3]))
+    page_in, work_a = sim.plan()  # a's datum needs no barrier to finish first: packed at once
+    assert ops(page_in) == [PageOut, PageIn]
+    assert [(op.model_id, op.slot) for op in page_in.ops] == [("b", 0), ("a", 0)]  # type: ignore[union-attr]
+    assert isinstance(work_a, WorkUnit) and work_a.items[0].model_id == "a"
+    sim.finish(page_in)
+    sim.finish(work_a)
     sim.run()
     assert isinstance(sim.result("b:1"), ForwardBackwardResult)
+    assert isinstance(sim.result("a:1"), ForwardBackwardResult)
+    assert sim.planner.streams["b"].paged and not sim.planner.streams["a"].paged
     sim.assert_all_completed_once()
 
 
-def test_the_oldest_waiting_create_gets_the_freed_slot() -> None:
+def test_a_model_with_work_in_flight_is_never_paged_out() -> None:
+    sim = started("a", num_slots=1)
+    sim.send(fb("a", 1, [2]))
+    [work] = sim.plan()
+    sim.send(create("b"))
+    assert sim.plan() == []
+    assert sim.planner.waiting_for_capacity() == ["b:0"]
+    sim.finish(work)
+    [init] = sim.plan()
+    assert ops(init) == [PageOut, InitSlot]
+    assert sim.planner.waiting_for_capacity() == []
+
+
+def test_the_oldest_waiting_create_gets_a_slot_first() -> None:
     sim = started("a", num_slots=1)
     sim.send(create("c"), create("b"))
-    assert sim.planner.waiting_for_capacity() == ["b:0", "c:0"]
-    sim.send(unload("a", 1))
     units = sim.plan()
     assert [op.model_id for u in units for op in u.ops] == ["a", "c"]  # type: ignore[union-attr]
+    assert sim.planner.waiting_for_capacity() == ["b:0"]  # c's create is in flight
+
+
+def test_unloading_a_paged_out_model_drops_its_state_without_taking_a_slot() -> None:
+    sim = started("a", "b", num_slots=1)  # b's create paged a out
+    assert sim.planner.streams["a"].paged
+    sim.send(unload("a", 1))
+    [drop] = sim.plan()
+    assert ops(drop) == [DropPaged]
+    sim.finish(drop)
+    sim.run()
+    assert isinstance(sim.result("a:1"), JsonResult)
+    assert sim.planner.streams["a"].closed and not sim.planner.streams["a"].paged
+    assert sim.planner.streams["b"].slot == 0
+
+
+def test_more_active_models_than_slots_all_make_progress_oldest_first() -> None:
+    """Four models training on two slots: each window's forward_backward and optim_step run, in
+    arrival order across models, and every request completes exactly once."""
+    sim = started("a", "b", "c", "d", num_slots=2)
+    for seq in (1, 3):
+        for m in "abcd":
+            sim.send(fb(m, seq, [2, 3]))
+        for m in "abcd":
+            sim.send(optim(m, seq + 1))
+        sim.run()
+    for m in "abcd":
+        for seq in (1, 3):
+            assert isinstance(sim.result(rid(m, seq)), ForwardBackwardResult)
+            assert isinstance(sim.result(rid(m, seq + 1)), JsonResult)
+    assert sorted(s.slot for s in sim.planner.streams.values() if s.slot is not None) == [0, 1]
+    sim.assert_all_completed_once()
 
 
 def test_a_failed_create_frees_its_slot_and_fails_what_was_queued() -> None:
@@ -472,7 +524,8 @@ def test_a_light_tenant_is_not_starved_by_a_heavy_one() -> None:
 
 # --- restart determinism ---------------------------------------------------------------------
 def scenario() -> Sim:
-    """Three tenants, packing, splits, out-of-order chunks, failures, barriers, a waiting create."""
+    """Three tenants, packing, splits, out-of-order chunks, failures, barriers, a create that waits
+    for a slot and then pages out an idle model."""
     sim = Sim(num_slots=3, token_budget=8)
     sim.send(create("a", "t1"), create("b", "t2"), create("c", "t3"), create("d", "t4"))
     sim.run()
@@ -499,7 +552,7 @@ def test_the_scenario_completes_every_request_once() -> None:
     assert sim.planner.plan() == []
     assert "forward_backward seq_id 1 failed" in sim.failure("b:2").error
     assert "seq_id 2 was rejected" in sim.failure("c:3").error
-    assert isinstance(sim.result("d:1"), ForwardBackwardResult)  # d got c's slot
+    assert isinstance(sim.result("d:1"), ForwardBackwardResult)  # d got a slot
 
 
 def test_a_restarted_planner_plans_what_the_live_one_plans() -> None:

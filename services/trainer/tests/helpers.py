@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.trainer.engine import DatumInput, TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import DatumInput, LoraConfig, TrainerEngine
+from services.trainer.lora import lora_scaling
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
 from tests.numerics import U32, ChainShape, gamma, logit_magnitude, logprob_magnitude
@@ -35,12 +35,10 @@ def ce_datum(rng: np.random.Generator, slot: int, n: int) -> DatumInput:
 
 
 def randomize_slot(
-    engine: TrainerEngine, slot: int, config: SlotConfig, seed: int, std: float = 0.05
+    engine: TrainerEngine, slot: int, config: LoraConfig, seed: int, std: float = 0.05
 ) -> SlotState:
     """Initialise ``slot`` with ``config`` and random non-zero A and B (so every grad is non-zero)."""
-    engine.init_slot(
-        slot, config.rank, config.seed, config.train_attn, config.train_mlp, config.train_unembed
-    )
+    engine.init_slot(slot, config)
     state = engine.get_slot_state(slot)
     gen = torch.Generator().manual_seed(seed)
     adapter = {name: torch.randn(t.shape, generator=gen) * std for name, t in state.adapter.items()}
@@ -50,7 +48,7 @@ def randomize_slot(
 
 
 def to_hf_layout(
-    tensors: dict[str, torch.Tensor], config: SlotConfig, engine: TrainerEngine
+    tensors: dict[str, torch.Tensor], config: LoraConfig, engine: TrainerEngine
 ) -> dict[str, torch.Tensor]:
     """Full-layout adapter tensors (or grads) renamed and split to PEFT keys."""
     return export_peft(SlotState(config, 0, tensors), engine.shape, "")[0]
@@ -106,7 +104,7 @@ class ReferenceLoRAModel:
         self,
         model_dir: Path,
         peft: dict[str, torch.Tensor] | None = None,
-        config: SlotConfig | None = None,
+        config: LoraConfig | None = None,
         dtype: torch.dtype = torch.float64,
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -139,7 +137,7 @@ class ReferenceLoRAModel:
             base = modules[name]
             assert isinstance(base, nn.Linear)
             assert config is not None
-            wrapped = _RefLoRALinear(base, self.params[a_key], self.params[b_key], config.scaling, self.magnitudes)
+            wrapped = _RefLoRALinear(base, self.params[a_key], self.params[b_key], lora_scaling(config.rank), self.magnitudes)
             setattr(modules[parent_name], attr, wrapped)
         self._lm_head_in: torch.Tensor | None = None
         self._logit_mag = torch.zeros(0)

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.engine import TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import LoraConfig, TrainerEngine
 from services.trainer.tests.helpers import ce_bounds, ce_datum, randomize_slot, to_hf_layout
 from tests.numerics import U32, U64, assert_within, gamma
 
@@ -27,8 +26,8 @@ def test_chunked_calls_accumulate_like_one_call(engine64: TrainerEngine, qwen_di
     """
     engine = engine64
     states = {
-        0: randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=4),
-        1: randomize_slot(engine, 1, SlotConfig(rank=2, seed=1), seed=5),
+        0: randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=4),
+        1: randomize_slot(engine, 1, LoraConfig(rank=2, seed=1), seed=5),
     }
     rng = np.random.default_rng(0)
     datums = [ce_datum(rng, slot, n) for slot, n in ((0, 5), (1, 7), (0, 3), (0, 9), (1, 4), (1, 6))]
@@ -61,7 +60,7 @@ def test_chunked_calls_accumulate_like_one_call(engine64: TrainerEngine, qwen_di
 
 def test_forward_only_leaves_gradients_untouched(engine: TrainerEngine) -> None:
     """forward_only returns the same logprobs and losses but neither adds nor clears gradients."""
-    randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=4)
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=4)
     rng = np.random.default_rng(1)
     datums = [ce_datum(rng, 0, n) for n in (4, 6)]
     trained = engine.forward_backward(datums, "cross_entropy")
@@ -83,7 +82,7 @@ def test_logprobs_are_target_token_logprobs(engine: TrainerEngine, qwen_dir: Pat
     The engine's loss path and its ``logits`` are two fp32 computations of the same forward (twice
     one fp32 bound, from the float64 reference); the returned logprobs are rounded to float32 once
     more (u |logprob|)."""
-    engine.init_slot(0, rank=2, seed=0)
+    engine.init_slot(0, LoraConfig(rank=2, seed=0))
     state = engine.get_slot_state(0)
     rng = np.random.default_rng(2)
     datum = ce_datum(rng, 0, 7)

@@ -22,7 +22,7 @@ from services.trainer.attention import (
     VarlenFlashAttention,
     document_ids,
 )
-from services.trainer.engine import DatumInput, EngineConfig, TrainerEngine
+from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine
 from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens
 from tests.numerics import U32, U64, assert_within, attention_bound
 
@@ -147,7 +147,7 @@ def test_engine_logits_with_flex_match_default(qwen_dir: Path, engines: dict[str
     with torch.no_grad():
         expected = [(hf.logits(d), hf.logit_bound(len(d))) for d in docs]
     for engine in (default, flex):
-        engine.init_slot(0, rank=4, seed=0)
+        engine.init_slot(0, LoraConfig(rank=4, seed=0))
     try:
         want = default.logits([DatumInput(0, d) for d in docs])
         got = flex.logits([DatumInput(0, d) for d in docs])

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.engine import AdamParams, DatumInput, DatumOutput, StepReport, TrainerEngine
-from services.trainer.lora import SlotConfig, grouped_mm_supported
+from services.trainer.engine import AdamParams, DatumInput, DatumOutput, LoraConfig, StepReport, TrainerEngine
+from services.trainer.lora import grouped_mm_supported
 from services.trainer.tests.helpers import ce_datum, randomize_slot
 
 GOOD, BAD, THIRD = 0, 1, 3
@@ -30,9 +30,9 @@ def _overflowing(rng: np.random.Generator, slot: int, n: int) -> DatumInput:
 
 
 def _setup(engine: TrainerEngine) -> None:
-    randomize_slot(engine, GOOD, SlotConfig(rank=8, seed=1), seed=1)
-    randomize_slot(engine, BAD, SlotConfig(rank=4, seed=2), seed=2)
-    randomize_slot(engine, THIRD, SlotConfig(rank=2, seed=3, train_mlp=False), seed=3)
+    randomize_slot(engine, GOOD, LoraConfig(rank=8, seed=1), seed=1)
+    randomize_slot(engine, BAD, LoraConfig(rank=4, seed=2), seed=2)
+    randomize_slot(engine, THIRD, LoraConfig(rank=2, seed=3, train_mlp=False), seed=3)
 
 
 def _batch(bad_weights_overflow: bool) -> list[DatumInput]:
@@ -123,8 +123,8 @@ def test_a_step_that_would_leave_non_finite_state_is_rolled_back(
     extreme learning rate; a gradient whose square overflows the second moment) is rolled back
     (weights, moments, step counter as before, gradients cleared) and reported; the slot stepped
     in the same call applies normally."""
-    randomize_slot(engine, GOOD, SlotConfig(rank=4, seed=1), seed=1)
-    randomize_slot(engine, BAD, SlotConfig(rank=4, seed=2), seed=2)
+    randomize_slot(engine, GOOD, LoraConfig(rank=4, seed=1), seed=1)
+    randomize_slot(engine, BAD, LoraConfig(rank=4, seed=2), seed=2)
     rng = np.random.default_rng(5)
     hp = AdamParams(learning_rate=1e-2)
     engine.forward_backward([ce_datum(rng, GOOD, 5), ce_datum(rng, BAD, 5)], "cross_entropy")

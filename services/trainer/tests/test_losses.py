@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from libs.contracts.loss_specs import validate_loss_request
-from services.trainer.engine import DatumInput, TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import DatumInput, LoraConfig, TrainerEngine
 from services.trainer.tests.helpers import (
     ReferenceLoRAModel,
     ce_bounds,
@@ -93,7 +92,7 @@ def test_loss_and_grads_match_reference(
     loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path
 ) -> None:
     """Per-datum logprobs, losses and every LoRA gradient equal the HF + plain-torch reference."""
-    config = SlotConfig(rank=4, seed=3)
+    config = LoraConfig(rank=4, seed=3)
     state = randomize_slot(engine, 1, config, seed=11)
     rng = np.random.default_rng(5)
     datums = _datums(engine, loss_fn, rng, slot=1)
@@ -138,8 +137,8 @@ def test_two_slot_packed_batch_gives_each_slot_its_own_gradients(
     computations of the same math, so they agree within twice the bound of one."""
     engine.pool.routing.stacked = stacked
     states = {
-        0: randomize_slot(engine, 0, SlotConfig(rank=8, seed=1), seed=1),
-        2: randomize_slot(engine, 2, SlotConfig(rank=3, seed=2, train_mlp=False), seed=2),
+        0: randomize_slot(engine, 0, LoraConfig(rank=8, seed=1), seed=1),
+        2: randomize_slot(engine, 2, LoraConfig(rank=3, seed=2, train_mlp=False), seed=2),
     }
     rng = np.random.default_rng(7)
     datums = [ce_datum(rng, slot, n) for slot, n in ((2, 5), (0, 8), (2, 9), (0, 4))]
@@ -199,7 +198,7 @@ def test_validator_names_the_offending_field(
 
 def test_engine_rejects_invalid_request_without_side_effects(engine: TrainerEngine) -> None:
     """A bad request raises ValueError and leaves no pending gradients behind."""
-    engine.init_slot(0, rank=2, seed=0)
+    engine.init_slot(0, LoraConfig(rank=2, seed=0))
     tokens = np.arange(4, dtype=np.int64)
     bad = DatumInput(0, tokens, {"target_tokens": tokens, "logprobs": np.zeros(4, np.float32)})
     with pytest.raises(ValueError, match="advantages is required"):

@@ -10,7 +10,7 @@ import torch
 
 from services.trainer.attention import BlockDiagonalSdpa, PerDocumentSdpa
 from services.trainer.convert import ShardKind, shard, unshard
-from services.trainer.engine import DatumInput, TrainerEngine
+from services.trainer.engine import DatumInput, LoraConfig, TrainerEngine
 from services.trainer.model import export_hf_state_dict, read_hf_state_dict
 from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens
 from tests.numerics import assert_within, attention_bound
@@ -25,7 +25,7 @@ def test_packed_logits_match_hf_per_document(
     """A packed batch of 3 documents gives each document the logits HF gives it alone (HF in
     float64; bound: fp32 rounding of the forward, ``tests.numerics``)."""
     engine = engines[preset]
-    engine.init_slot(0, rank=4, seed=0)  # B = 0: the adapter adds exactly nothing
+    engine.init_slot(0, LoraConfig(rank=4, seed=0))  # B = 0: the adapter adds exactly nothing
     try:
         rng = np.random.default_rng(1)
         docs = [random_tokens(rng, n)[0] for n in (7, 13, 4)]

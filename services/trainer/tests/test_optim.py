@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.engine import AdamParams, TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import AdamParams, LoraConfig, TrainerEngine
 from services.trainer.tests.helpers import ce_datum, randomize_slot
 from tests.numerics import U32, assert_within, gamma
 
@@ -28,7 +27,7 @@ def _train_step(engine: TrainerEngine, slot: int, seed: int) -> None:
 @pytest.mark.parametrize("clip", [0.0, 0.5], ids=["no-clip", "clip"])
 def test_adamw_matches_torch(engine: TrainerEngine, clip: float) -> None:
     """Three steps equal torch.optim.AdamW (+ clip_grad_norm_) on the same gradients."""
-    randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=1)
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=1)
     hp = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1, grad_clip_norm=clip)
     ref = {name: torch.nn.Parameter(p) for name, p in _params(engine, 0).items()}
     ref_opt = torch.optim.AdamW(
@@ -71,8 +70,8 @@ def test_adamw_matches_torch(engine: TrainerEngine, clip: float) -> None:
 
 def test_step_touches_only_the_requested_slot(engine: TrainerEngine) -> None:
     """Stepping slot 0 leaves slot 1's weights, gradients, moments and step count alone."""
-    randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=1)
-    randomize_slot(engine, 1, SlotConfig(rank=2, seed=1), seed=2)
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=1)
+    randomize_slot(engine, 1, LoraConfig(rank=2, seed=1), seed=2)
     rng = np.random.default_rng(3)
     engine.forward_backward([ce_datum(rng, 0, 5), ce_datum(rng, 1, 6)], "cross_entropy")
     engine.optim_step({1: AdamParams(learning_rate=1e-2)})
@@ -94,7 +93,7 @@ def test_step_touches_only_the_requested_slot(engine: TrainerEngine) -> None:
 
 def test_non_finite_gradients_skip_the_step_and_are_discarded(engine: TrainerEngine) -> None:
     """A NaN gradient norm: no update, no step counted, grads zeroed, reported as skipped."""
-    randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=1)
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=1)
     _train_step(engine, 0, seed=1)
     poisoned = engine.pool.slot_tensors(0)[3].grad()
     assert poisoned is not None
@@ -111,8 +110,8 @@ def test_non_finite_gradients_skip_the_step_and_are_discarded(engine: TrainerEng
 
 
 def test_discard_grads_clears_only_that_slot(engine: TrainerEngine) -> None:
-    randomize_slot(engine, 0, SlotConfig(rank=4, seed=0), seed=1)
-    randomize_slot(engine, 1, SlotConfig(rank=4, seed=1), seed=2)
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=0), seed=1)
+    randomize_slot(engine, 1, LoraConfig(rank=4, seed=1), seed=2)
     rng = np.random.default_rng(0)
     engine.forward_backward([ce_datum(rng, 0, 5), ce_datum(rng, 1, 5)], "cross_entropy")
     engine.discard_grads(0)

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
-from services.trainer.lora import SlotConfig
+from services.trainer.engine import AdamParams, DatumInput, EngineConfig, LoraConfig, TrainerEngine
 from services.trainer.tests.helpers import ReferenceLoRAModel, ce_datum, random_tokens, randomize_slot
 from tests.numerics import assert_within
 
@@ -28,7 +27,7 @@ def _train(engine: TrainerEngine, slot: int, steps: range) -> None:
 
 def test_state_round_trip_continues_bit_identically(engine: TrainerEngine, qwen_dir: Path) -> None:
     """Train 2 steps, export, import into a fresh engine, train 2 more == 4 uninterrupted steps."""
-    engine.init_slot(0, rank=4, seed=7, train_mlp=False)
+    engine.init_slot(0, LoraConfig(rank=4, seed=7, train_mlp=False))
     _train(engine, 0, range(2))
     saved = engine.get_slot_state(0)
     _train(engine, 0, range(2, 4))
@@ -50,7 +49,7 @@ def test_state_round_trip_continues_bit_identically(engine: TrainerEngine, qwen_
 
 def test_state_without_optimizer_restarts_adam(engine: TrainerEngine) -> None:
     """with_optimizer=False loads the weights only: moments zero, step counter 0."""
-    engine.init_slot(0, rank=4, seed=7)
+    engine.init_slot(0, LoraConfig(rank=4, seed=7))
     _train(engine, 0, range(2))
     saved = engine.get_slot_state(0)
     engine.set_slot_state(1, saved, with_optimizer=False)
@@ -62,11 +61,11 @@ def test_state_without_optimizer_restarts_adam(engine: TrainerEngine) -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [SlotConfig(rank=4, seed=1), SlotConfig(rank=3, seed=2, train_mlp=False, train_unembed=False)],
+    [LoraConfig(rank=4, seed=1), LoraConfig(rank=3, seed=2, train_mlp=False, train_unembed=False)],
     ids=["all-modules", "attn-only"],
 )
 def test_peft_export_matches_engine_logits(
-    config: SlotConfig, engine: TrainerEngine, qwen_dir: Path, tmp_path: Path
+    config: LoraConfig, engine: TrainerEngine, qwen_dir: Path, tmp_path: Path
 ) -> None:
     """peft.PeftModel on the HF model with the exported adapter gives the engine's logits."""
     from peft import PeftModel

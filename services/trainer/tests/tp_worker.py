@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
+from services.trainer.engine import AdamParams, DatumInput, EngineConfig, LoraConfig, TrainerEngine
 
 # eps=1 keeps each update a smooth function of its gradient.  With a tiny eps Adam's first step
 # is lr*sign(g), which turns fp32 reduction-order noise in near-zero gradient entries (TP=2 sums
@@ -23,8 +23,8 @@ HP = AdamParams(learning_rate=1e-2, eps=1.0, weight_decay=0.01, grad_clip_norm=2
 
 def scenario(engine: TrainerEngine) -> dict[str, Any]:
     """Two slots, two steps (cross_entropy, then ppo), packed mixed batches; returns everything."""
-    engine.init_slot(0, rank=4, seed=1)
-    engine.init_slot(2, rank=2, seed=2, train_mlp=False)
+    engine.init_slot(0, LoraConfig(rank=4, seed=1))
+    engine.init_slot(2, LoraConfig(rank=2, seed=2, train_mlp=False))
     rng = np.random.default_rng(0)
     datums = []
     for slot, n in ((2, 6), (0, 9), (0, 4), (2, 7)):

@@ -1,23 +1,23 @@
 """Publication commands (`tinker.publish.<model>`): trainer -> publisher.
 
 The trainer writes a complete staging directory (atomically) and hands it over; the publisher
-materializes the immutable version, registers it in the catalogue, loads sampler snapshots into
+materializes the immutable version, registers it in the catalogue, loads sampler exports into
 the sampling engines, and answers the request's future.
 """
 
 from __future__ import annotations
 
-from libs.contracts.common import Envelope, LoraSpec
+from libs.contracts.common import Envelope, LoraConfig
 
 
-class PublishSnapshot(Envelope, tag="publish", kw_only=True, frozen=True):
+class PublishCommand(Envelope, tag="publish", kw_only=True, frozen=True):
     kind: str  # "training" (save_state) | "sampler" (save_weights_for_sampler)
     staging_dir: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     step: int = 0
     tinker_path: str | None = None  # named saves
-    sampling_session_id: str | None = None  # ephemeral sampler snapshots
+    sampling_session_id: str | None = None  # ephemeral sampler exports
     ttl_s: int | None = None
     user_metadata: dict[str, str] | None = None
     version: str = ""  # unique per save: the unit that produced it

@@ -1,0 +1,69 @@
+"""Builds the files of a save: a training state (save_state) or a sampler export (PEFT).
+
+The trainer writes them into a staging directory, atomically, and hands the directory to the
+publisher with a ``PublishCommand``; the publisher makes it an immutable, named version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from libs.checkpoints import layout
+from libs.checkpoints import state_format as fmt
+from libs.contracts.common import now_ns
+from libs.contracts.publish import PublishCommand
+from libs.contracts.work import ExportSlot, SaveSlot
+from services.trainer.engine import TrainerEngine
+from services.trainer.state_io import peft_files, training_state_files
+
+
+class StorageError(Exception):
+    """The data directory refused a write (a full disk, ...): a server error with a clear text."""
+
+
+def write_checkpoint(
+    engine: TrainerEngine, base_model: str, data_dir: Path, unit_id: str, op: SaveSlot | ExportSlot
+) -> PublishCommand:
+    """Write the slot's files into a fresh staging directory; the command that publishes them."""
+    state = engine.get_slot_state(op.slot)
+    if isinstance(op, SaveSlot):
+        meta = fmt.TrainingStateMeta(
+            base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
+        )
+        files = training_state_files(state, meta)
+        kind, sampler_id, metadata = "training", None, op.user_metadata
+    else:
+        tensors, adapter_config = engine.export_peft(op.slot)
+        adapter_config["base_model_name_or_path"] = base_model
+        export_meta = fmt.SamplerExportMeta(
+            base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
+        )
+        files = peft_files(tensors, adapter_config, export_meta)
+        kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
+    staging = layout.staging_dir(data_dir, unit_id, op.request_id)
+    try:
+        layout.write_dir_atomically(staging, files)
+    except OSError as exc:
+        what = "save_state" if isinstance(op, SaveSlot) else "save_weights_for_sampler"
+        kept = f"; {op.tinker_path} still holds its previous version" if op.tinker_path else ""
+        raise StorageError(
+            f"{what} failed: the server could not write the checkpoint files "
+            f"({exc.strerror or exc}); nothing was saved{kept}. Free disk space on the server, "
+            "then save again"
+        ) from exc
+    return PublishCommand(
+        kind=kind,
+        staging_dir=str(staging),
+        base_model=base_model,
+        lora=state.config,
+        step=state.step,
+        tinker_path=op.tinker_path,
+        sampling_session_id=sampler_id,
+        ttl_s=op.ttl_s,
+        user_metadata=metadata,
+        version=unit_id,
+        model_id=op.model_id,
+        request_id=op.request_id,
+        tenant=op.tenant,
+        at_ns=now_ns(),
+    )

@@ -1,0 +1,79 @@
+"""Rebuilding a trainer group's slots after a restart: the newest snapshot, then replay.
+
+Slot state is a fold over the group's work stream: the newest internal snapshot (a file set
+under the data directory, ``snapshots.py``) covers the units up to its work sequence; every
+later unit that already has an outcome is re-executed without emitting anything. CPU fp32 is
+deterministic, so the adapters, optimizer moments and pending gradients come back exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from nats.aio.msg import Msg
+
+from infra.bus import Bus, last_seq, replay
+from libs.contracts import codec
+from libs.contracts import subjects as s
+from libs.contracts.work import Unit
+from services.trainer import snapshots
+from services.trainer.execute import Executor
+
+log = logging.getLogger("tinkerd.trainer")
+
+
+@dataclass
+class Recovered:
+    """Where replay left the group: which units are done, and the last work sequence applied."""
+
+    completed: set[str] = field(default_factory=set)
+    base_seq: int = 0  # the snapshot's work sequence (0: none)
+    last_work_seq: int = 0
+    replayed: int = 0
+
+
+async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> Recovered:
+    state = Recovered()
+    snapshot = snapshots.latest(data_dir, group)
+    if snapshot is not None:
+        try:
+            state.base_seq, executor.slot_models = await asyncio.to_thread(
+                snapshots.restore, executor.engine, executor.pages, snapshot
+            )
+        except (msgspec.ValidationError, msgspec.DecodeError, OSError) as exc:  # e.g. an older format
+            log.warning("snapshot %s cannot be read (%s); replaying the whole work stream", snapshot.name, exc)
+            state.base_seq, executor.slot_models = 0, {}
+        log.info(
+            "restored snapshot %s (%d slots, %d paged)",
+            snapshot.name,
+            len(executor.slot_models),
+            len(executor.pages.models),
+        )
+    state.last_work_seq = state.base_seq
+
+    def on_outcome(msg: Msg) -> None:
+        state.completed.add(codec.outcome_decoder.decode(msg.data).unit_id)
+
+    outcomes_last = await last_seq(bus, s.STREAM_OUTCOMES)
+    await replay(bus, s.STREAM_OUTCOMES, s.outcome_subject(group), outcomes_last, on_outcome)
+    units: list[tuple[int, Unit]] = []
+    seen: set[str] = set()
+
+    def on_unit(msg: Msg) -> None:
+        unit = codec.unit_decoder.decode(msg.data)
+        if unit.unit_id in state.completed and unit.unit_id not in seen:
+            seen.add(unit.unit_id)  # a unit appended twice (a late redelivery) ran once
+            units.append((msg.metadata.sequence.stream, unit))
+
+    work_last = await last_seq(bus, s.STREAM_WORK)
+    await replay(bus, s.STREAM_WORK, s.work_subject(group), work_last, on_unit, from_seq=state.base_seq + 1)
+    for seq, unit in units:
+        await asyncio.to_thread(executor.execute, unit, True)
+        state.last_work_seq = seq
+    executor.events.clear()  # replayed page moves were reported when they first ran
+    state.replayed = len(units)
+    return state
