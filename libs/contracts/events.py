@@ -44,6 +44,9 @@ class UnitFinished(Envelope, tag="unit_done", kw_only=True, frozen=True):
 class RequestCompleted(Envelope, tag="completed", kw_only=True, frozen=True):
     kind: str
     duration_ms: float
+    prompt_tokens: int = 0  # samples: tokens prefilled (the prompt, once per request)
+    sampled_tokens: int = 0  # samples: tokens generated, over all num_samples sequences
+    cached_tokens: int = 0  # samples: of prompt_tokens, those served from the engine's prefix cache
 
 
 class RequestFailed(Envelope, tag="failed", kw_only=True, frozen=True):
@@ -94,6 +97,20 @@ class ServiceEvent(Envelope, tag="service", kw_only=True, frozen=True):
     detail: str = ""
 
 
+class Audited(Envelope, tag="audit", kw_only=True, frozen=True):
+    """A change to (or a read of) something a tenant owns, made through the gateway: who did what.
+
+    `resource` is "checkpoint" or "project"; `action` e.g. "deleted", "published", "copied";
+    `subject` the tinker path or session id; `actor` the caller's key id (not the key).
+    """
+
+    resource: str
+    action: str
+    subject: str
+    actor: str = ""
+    details: dict[str, str] = {}
+
+
 OperationEvent = (
     RequestAccepted
     | RequestRejected
@@ -108,6 +125,7 @@ OperationEvent = (
     | ModelPagedIn
     | SessionEvent
     | ServiceEvent
+    | Audited
 )
 
 

@@ -21,6 +21,9 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     finished: bool = False
     heartbeat_ns: int = 0  # the last heartbeat written (at most one write per beat_write_s)
     expired: bool = False  # its heartbeats lapsed: its models were unloaded (session_lifecycle.py)
+    finish_reason: str | None = None  # "success" | "errored" | "interrupted", from the finish call
+    project_id: str | None = None  # from create_session or assign_session_project
+    display_name: str | None = None
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -33,6 +36,7 @@ class ModelRecord(msgspec.Struct, kw_only=True):
     create_request_id: str
     user_metadata: dict[str, object] | None = None
     unloaded: bool = False
+    copy_of: str | None = None  # a run made by copy_weights: holds the copy, cannot be trained on
 
 
 class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):

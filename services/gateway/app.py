@@ -10,6 +10,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.context import lifespan, provide_gateway, provide_tenant
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.routes import (
+    admin,
     bootstrap,
     catalog,
     futures,
@@ -24,7 +25,7 @@ from services.gateway.tracing_mw import trace_requests
 
 TENANT_ROUTES = [
     handler
-    for module in (bootstrap, training, weights, futures, sampling, catalog, sessions, unsupported)
+    for module in (bootstrap, training, weights, futures, sampling, catalog, sessions, admin, unsupported)
     for handler in module.ROUTES
 ]
 OPERATOR_ROUTES = operator.ROUTES

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -92,10 +93,29 @@ def str_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
     return {k: v if isinstance(v, str) else msgspec.json.encode(v).decode() for k, v in metadata.items()}
 
 
-def checkpoint_view(record: CheckpointRecord) -> w.Checkpoint:
+EXTERNAL_KIND_SINCE = (0, 28)
+"""SDKs before 0.28 know only "training" and "sampler" checkpoints (their pydantic Literal rejects
+"external"), so a listing for them shows an external export, a PEFT adapter like a sampler
+snapshot, as "sampler" (its checkpoint_id and tinker_path still say external_weights)."""
+
+
+def sdk_version(headers: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The calling SDK's version from its `X-Stainless-Package-Version` header (None if absent)."""
+    raw = headers.get("x-stainless-package-version") or ""
+    parts = re.findall(r"\d+", raw)[:3]
+    return tuple(int(p) for p in parts) if parts else None
+
+
+def knows_external(headers: Mapping[str, str]) -> bool:
+    version = sdk_version(headers)
+    return version is None or version >= EXTERNAL_KIND_SINCE
+
+
+def checkpoint_view(record: CheckpointRecord, external: bool = True) -> w.Checkpoint:
+    kind = record.kind if external or record.kind != "external" else "sampler"
     return w.Checkpoint(
         checkpoint_id=f"{SEGMENT_OF_KIND[record.kind]}/{record.name}",
-        checkpoint_type=record.kind,  # type: ignore[arg-type]
+        checkpoint_type=kind,  # type: ignore[arg-type]
         time=at(record.created_ns),
         tinker_path=record.tinker_path,
         size_bytes=record.size_bytes,

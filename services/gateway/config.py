@@ -32,7 +32,14 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     public_url: str | None = None
     """How clients reach this gateway (for signed download URLs); defaults to http://host:port."""
     signing_secret: str | None = None
-    """Secret for signed download URLs; a random one per process when unset."""
+    """Secret for signed download URLs and JWTs; a random one per process when unset."""
+    jwt_auth: bool = False
+    """Tell SDKs `pjwt_auth_enabled`: they exchange their key for a short-lived JWT
+    (`POST /api/v1/auth/token`) and `RestClient.whoami` works. API keys keep working."""
+    jwt_lifetime_s: float = 900.0
+    cache_tokenizer: bool = True
+    """For an embedded model (tiny-qwen3, tiny-llama): put its tokenizer in the local Hugging Face
+    cache under its names, so `SamplingClient.get_tokenizer()` works on this machine."""
 
     max_lora_rank: int = 64
     max_datums_per_request: int = 1024

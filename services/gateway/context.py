@@ -22,7 +22,8 @@ from infra.bus import Bus
 from infra.streams import ensure_streams
 from libs.contracts.records import SessionRecord
 from libs.contracts.results import RequestResult
-from libs.models.registry import ResolvedModel, resolve_base_model
+from libs.models.hf_cache import install_tokenizer
+from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
@@ -93,6 +94,11 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
     async def run(app: Litestar) -> AsyncIterator[None]:
         data_dir = Path(config.data_dir).expanduser().resolve()
         model = resolve_base_model(config.base_model, data_dir)
+        if config.cache_tokenizer and model.name in SHORT_NAMES:
+            try:
+                install_tokenizer(model.path, [model.name, SHORT_NAMES[model.name]])
+            except OSError as exc:  # a read-only cache costs get_tokenizer() only
+                log.warning("could not cache the tokenizer of %s: %s", model.name, exc)
         bus = await Bus.connect(config.nats_url, "gateway")
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)

@@ -76,8 +76,10 @@ class Overloaded(TinkerError):
         super().__init__(message, {"Retry-After": str(retry_after_s)})
 
 
-class NotImplementedYet(TinkerError):
-    status = 501
+class NotOffered(TinkerError):
+    """A known endpoint this server does not offer: 400, never 501 (the SDK retries any 5xx)."""
+
+    status = 400
     category = "user"
 
 

@@ -3,7 +3,8 @@
 ``app.py`` mounts every route under exactly one of three routers, so the policy of an
 endpoint is read in one place:
 
-- **tenant** (``api_key``): the `X-API-Key` header names a tenant (``auth.KeyRing``); the
+- **tenant** (``api_key``): the `X-API-Key` header names a tenant (``auth.KeyRing``), or holds a
+  JWT this gateway minted for one (``jwt_auth``); the
   handler receives it as its ``tenant`` dependency, and everything it touches is checked
   against that tenant's ownership. Unknown or missing keys are a 401.
 - **operator** (``operator_only``): loopback clients, or a request carrying `X-Admin-Key`
@@ -21,6 +22,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from services.gateway import jwt_auth
 from services.gateway.auth import Tenant, is_loopback
 from services.gateway.context import Gateway
 from services.gateway.errors import Forbidden
@@ -33,7 +35,11 @@ def _gateway(connection: Connection) -> Gateway:
 
 
 async def api_key(connection: Connection, _: BaseRouteHandler) -> None:
-    connection.state.tenant = _gateway(connection).keys.authenticate(connection.headers.get("x-api-key"))
+    gateway, credential = _gateway(connection), connection.headers.get("x-api-key")
+    if jwt_auth.looks_like_jwt(credential):  # a JWT from POST /api/v1/auth/token (see jwt_auth.py)
+        connection.state.tenant = jwt_auth.verify(credential or "", gateway.signing_secret)
+        return
+    connection.state.tenant = gateway.keys.authenticate(credential)
 
 
 async def operator_only(connection: Connection, _: BaseRouteHandler) -> None:

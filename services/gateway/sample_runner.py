@@ -27,8 +27,9 @@ from infra.streams import sample_runner_durable
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
+from libs.contracts.events import RequestCompleted
 from libs.contracts.records import QueueRecord, SamplerRecord
-from libs.contracts.results import Failure, RequestResult, ResultBody
+from libs.contracts.results import Failure, RequestResult, ResultBody, SampleResult
 from libs.contracts.sampling import SampleJob
 from libs.faults import crash_point
 from services.gateway import sglang
@@ -117,6 +118,8 @@ class SampleRunner:
                 at_ns=now_ns(),
                 traceparent=job.traceparent,
             )
+            if isinstance(body, SampleResult):  # metered before it is answered (counted once per id)
+                await self.gateway.bus.emit(usage_event(job, body))
             await self.gateway.bus.publish_once(
                 s.result_subject(job.request_id), codec.pack(result), msg_id=job.request_id
             )  # a job that ran twice (redelivered) still has one result: the first
@@ -200,6 +203,22 @@ class SampleRunner:
         if not sampler.adapter_name:
             return None
         return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir)
+
+
+def usage_event(job: SampleJob, body: SampleResult) -> RequestCompleted:
+    """What one answered sample cost: the metering (billing usage) folds these."""
+    return RequestCompleted(
+        kind="sample",
+        duration_ms=(now_ns() - job.at_ns) / 1e6 if job.at_ns else 0.0,
+        prompt_tokens=job.prompt_len,
+        sampled_tokens=sum(len(seq.tokens) // 4 for seq in body.sequences),  # int32 tokens
+        cached_tokens=min(job.prompt_len, body.prompt_cache_hit_tokens),
+        tenant=job.tenant,
+        model_id=job.sampler_id,
+        request_id=job.request_id,
+        seq_id=job.seq_id,
+        at_ns=now_ns(),
+    )
 
 
 async def _report_progress(msg: Msg) -> None:

@@ -61,8 +61,15 @@ def fingerprint_json(kind: str, body: object, exclude: tuple[str, ...] = ()) -> 
 
 
 async def owned_model(gateway: Gateway, tenant: Tenant, model_id: str) -> ModelRecord:
-    """The model if it exists and belongs to the caller; 404 otherwise (existence is not leaked)."""
-    return await gateway.store.owned(s.KV_MODELS, model_id, ModelRecord, tenant.id, "model")
+    """The model if it exists and belongs to the caller; 404 otherwise (existence is not leaked).
+    A run made by copy_weights only holds its copy: any training call on it is a 400."""
+    model = await gateway.store.owned(s.KV_MODELS, model_id, ModelRecord, tenant.id, "model")
+    if model.copy_of is not None:
+        raise BadRequest(
+            f"training run {model_id} holds a copy of {model.copy_of} and cannot be trained on; "
+            "create_training_client_from_state(its tinker path) starts a trainable run from it"
+        )
+    return model
 
 
 def check_seq(seq_id: int | None, first: int = 1) -> int:

@@ -70,7 +70,8 @@ def read_checkpoints(log_path: Path) -> list[dict[str, object]]:
 
 def test_supervised_train_with_checkpoints_then_resume(stack: Stack, tmp_path: Path) -> None:
     """A run checkpoints every 2 steps; cut back to its step-2 checkpoint (as if it had died
-    there), the cookbook resumes from that saved state and finishes the remaining steps."""
+    there), the cookbook resumes from that saved state and finishes the remaining steps; its
+    metrics log keeps one row per step (the redone steps' first rows set aside)."""
     from tinker_cookbook.supervised import train
 
     log_path = tmp_path / "sl"

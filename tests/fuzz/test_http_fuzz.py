@@ -8,8 +8,8 @@ parameters likewise; a valid API key mostly, sometimes none or a wrong one. `for
 gets SDK-encoded protobuf bodies, cut and mutated.
 
 The properties, for every response: a 2xx, or a 4xx whose JSON body is the SDK's
-`{error, category}`; never a 5xx (the routes of features not offered answer 501 by design, in the
-same shape); never a hang (a 30 s client timeout; `retrieve_future` holds a poll 1 s here). After
+`{error, category}`; never a 5xx (the routes of features not offered answer 400, in the same
+shape); never a hang (a 30 s client timeout; `retrieve_future` holds a poll 1 s here). After
 the fuzz, the stack is healthy: healthz answers 200 and a fresh SDK client trains a step.
 """
 
@@ -177,12 +177,9 @@ headers_strategy = st.sampled_from(
 
 
 def assert_well_formed(method: str, path: str, response: httpx.Response) -> None:
-    """`path` is the route's template (a route of `NOT_OFFERED` may answer 501)."""
+    """`path` is the route's template; even a route of `NOT_OFFERED` answers a 4xx, never a 5xx."""
     where = f"{method} {response.request.url.path} -> {response.status_code}: {response.text[:300]}"
-    if path in NOT_OFFERED and response.status_code == 501:
-        pass  # not offered by design; still in the error shape, checked below
-    else:
-        assert response.status_code < 500, where
+    assert response.status_code < 500, where
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body.get("error"), str) and body.get("category") in CATEGORIES, where

@@ -144,7 +144,7 @@ def checkpoint_dirs(stack: Stack, path: str) -> list[Path]:
     return [p for p in (base / name, *(base / ".versions").glob(f"{name}@*")) if p.exists() or p.is_symlink()]
 
 
-def test_delete_removes_record_link_and_versions_and_is_idempotent(stack: Stack) -> None:
+def test_delete_removes_record_link_and_versions_and_a_second_delete_is_404(stack: Stack) -> None:
     doomed = S.training.save_state("doomed").result().path
     assert len(checkpoint_dirs(stack, doomed)) == 2  # the public name and one version
     client = http(stack)
@@ -153,7 +153,7 @@ def test_delete_removes_record_link_and_versions_and_is_idempotent(stack: Stack)
     assert doomed not in {
         c["tinker_path"] for c in status(client.get("/api/v1/checkpoints"), 200)["checkpoints"]
     }
-    status(client.delete(checkpoint_url(doomed)), 200)
+    assert "not found" in status(client.delete(checkpoint_url(doomed)), 404)["error"]
     assert status(client.delete("/api/v1/training_runs/s-unknown:train:0/checkpoints/weights/x"), 404)
 
 

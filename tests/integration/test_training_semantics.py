@@ -479,8 +479,10 @@ def test_top_k_cross_entropy_through_the_sdk(stack: Stack, vocab: int) -> None:
 
 
 # --- create_model waits for a free slot ---------------------------------------------------------
-def test_create_model_waits_with_paused_capacity_when_every_slot_is_taken(stack: Stack) -> None:
-    """Last in the module: it fills every adapter slot (nothing frees one: unload is not offered)."""
+def test_more_creates_than_adapter_slots_all_complete(stack: Stack) -> None:
+    """20 models on a 16-slot pool, none unloaded: every create completes (idle models are paged
+    out to make room; waiting for a slot happens only while every slot has work in flight, which
+    the planner's unit tests cover)."""
     client = service(stack, "filler")
     session_id = client.holder.get_session_id()
     raw = Raw(stack, "filler", "")
@@ -495,12 +497,7 @@ def test_create_model_waits_with_paused_capacity_when_every_slot_is_taken(stack:
         created = raw.http.post("/api/v1/create_model", json=body)
         assert created.status_code == 200, created.text
         request_id = created.json()["request_id"]
-        got = raw.http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
-        if got.get("type") != "try_again":
-            assert got.get("type") == "create_model", got
-            continue
-        if got["queue_state"] != "paused_capacity":
-            continue  # behind other work: this create has not been planned yet; go on filling
-        assert "adapter slots are in use" in got["queue_state_reason"]
-        return
-    pytest.fail("no create_model ever waited for a slot")
+        got: dict[str, object] = {"type": "try_again"}
+        while got.get("type") == "try_again":  # each retrieve_future long-polls until the result
+            got = raw.http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+        assert got.get("type") == "create_model", got

@@ -21,7 +21,7 @@ from services.gateway.submit import unload
 
 CLIENT_CONFIG = w.ClientConfigResponse(
     # The flags are explicit so a client runs the same way whatever its version's defaults.
-    pjwt_auth_enabled=False,
+    pjwt_auth_enabled=False,  # `jwt_auth` turns it on (client_config_for)
     proto_compress_fwdbwd=False,
     parallel_fwdbwd_chunks=True,
     use_pyqwest_transport=True,
@@ -46,6 +46,7 @@ def client_config_for(config: GatewayConfig) -> w.ClientConfigResponse:
         fwdbwd_max_chunk_len=config.max_datums_per_request,
         fwdbwd_max_chunk_bytes_count=max(1, config.max_request_bytes - framing),
         sample_max_concurrent_requests=max(1, config.sampling_capacity),
+        pjwt_auth_enabled=config.jwt_auth,
     )
 
 
@@ -77,6 +78,8 @@ async def create_session(
         tags=data.tags,
         user_metadata=data.user_metadata,
         sdk_version=data.sdk_version,
+        project_id=data.project_id,
+        display_name=data.display_name,
     )
     await gateway.store.create(s.KV_SESSIONS, session_id, record, SessionRecord)
     await gateway.bus.emit(
@@ -109,10 +112,11 @@ async def finish_session(
     for _, model in await gateway.store.scan(
         s.KV_MODELS, ModelRecord, prefix=ids.session_models_prefix(session_id)
     ):
-        if model.tenant == tenant.id:
+        if model.tenant == tenant.id and model.copy_of is None:  # copies were never loaded
             await unload(gateway, model)
     if not record.finished:
         record.finished = True
+        record.finish_reason = data.reason.type
         await gateway.store.put(s.KV_SESSIONS, s.token(session_id), record)
         await gateway.bus.emit(
             SessionEvent(

@@ -29,6 +29,7 @@ from services.gateway.catalog import (
     check_page,
     checkpoint_view,
     delete_files,
+    knows_external,
     last_request_ns,
     owned_checkpoint,
     readable_checkpoint,
@@ -39,6 +40,7 @@ from services.gateway.catalog import (
 )
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest, NotFound
+from services.gateway.routes.admin import audit
 
 AnyRequest = Request[Any, Any, Any]
 RUN = "/api/v1/training_runs/{run_id:str}"
@@ -67,22 +69,26 @@ async def get_training_run(
 
 
 @get(RUN + "/checkpoints", operation_id="list_run_checkpoints")
-async def list_run_checkpoints(run_id: str, gateway: Gateway, tenant: Tenant) -> w.CheckpointsListResponse:
+async def list_run_checkpoints(
+    request: AnyRequest, run_id: str, gateway: Gateway, tenant: Tenant
+) -> w.CheckpointsListResponse:
     run = await visible_run(gateway, tenant, run_id, accessible=True)
     records = await run_checkpoints(gateway, run_id)
     mine = run.model_owner == tenant.id
-    views = [checkpoint_view(r) for r in records if mine or r.public]
+    external = knows_external(request.headers)
+    views = [checkpoint_view(r, external) for r in records if mine or r.public]
     return w.CheckpointsListResponse(checkpoints=views)
 
 
 @get("/api/v1/checkpoints", operation_id="list_user_checkpoints")
 async def list_user_checkpoints(
-    gateway: Gateway, tenant: Tenant, limit: int = 100, offset: int = 0
+    request: AnyRequest, gateway: Gateway, tenant: Tenant, limit: int = 100, offset: int = 0
 ) -> w.CheckpointsListResponse:
     check_page(limit, offset)
     found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord)
     mine = sorted((r for _, r in found if r.tenant == tenant.id), key=lambda r: r.created_ns, reverse=True)
-    views = [checkpoint_view(r) for r in mine[offset : offset + limit]]
+    external = knows_external(request.headers)
+    views = [checkpoint_view(r, external) for r in mine[offset : offset + limit]]
     cursor = w.Cursor(offset=offset, limit=limit, total_count=len(mine))
     return w.CheckpointsListResponse(checkpoints=views, cursor=cursor)
 
@@ -91,11 +97,14 @@ async def list_user_checkpoints(
 async def delete_checkpoint(
     run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> dict[str, str]:
-    """Catalogue entry, public name and version directories; deleting twice is not an error."""
+    """Catalogue entry, public name and version directories; a checkpoint that does not exist
+    (never did, or was deleted already) is a 404, as on the hosted service."""
     key, record = await owned_checkpoint(gateway, tenant, run_id, f"{segment}/{name}")
-    if record is not None:
-        await gateway.store.delete(s.KV_CHECKPOINTS, key)
-        await asyncio.to_thread(delete_files, gateway.data_dir, record)
+    if record is None:
+        raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+    await gateway.store.delete(s.KV_CHECKPOINTS, key)
+    await asyncio.to_thread(delete_files, gateway.data_dir, record)
+    await audit(gateway, tenant, "checkpoint", "deleted", record.tinker_path)
     return {"status": "deleted"}
 
 
@@ -108,6 +117,7 @@ async def _set_public(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+    await audit(gateway, tenant, "checkpoint", "published" if public else "unpublished", changed.tinker_path)
 
 
 @post(CHECKPOINT + "/publish", status_code=200, operation_id="publish_checkpoint")
@@ -140,6 +150,7 @@ async def set_checkpoint_ttl(
     )
     if record is None or changed is None:
         raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+    await audit(gateway, tenant, "checkpoint", "ttl_set", changed.tinker_path, ttl_seconds=str(data.ttl_seconds))
     view = checkpoint_view(changed)
     return {"expires_at": view.expires_at.isoformat() if view.expires_at else None}
 
@@ -176,6 +187,7 @@ async def external_weights_urls(
     urls = downloads.sign_files(
         _base_url(gateway, request), gateway.signing_secret, gateway.data_dir, Path(record.directory), expires
     )
+    await audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ExternalWeightsUrlsResponse(urls=urls, expires=at(expires * 1_000_000_000))
 
 
@@ -188,6 +200,7 @@ async def checkpoint_archive(
     expires = _expiry()
     relative = str(Path(record.directory).relative_to(gateway.data_dir))
     url = downloads.signed_url(_base_url(gateway, request), gateway.signing_secret, relative, expires)
+    await audit(gateway, tenant, "checkpoint", "read", record.tinker_path, purpose="download")
     return w.ArchiveUrlResponse(url=url, expires=at(expires * 1_000_000_000))
 
 

@@ -6,6 +6,7 @@ Runs and samplers are found by key prefix in their KV buckets (`ids.session_mode
 
 from __future__ import annotations
 
+import msgspec
 from litestar import get, put
 
 from libs.contracts import ids
@@ -15,6 +16,8 @@ from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import check_page, str_metadata
 from services.gateway.context import Gateway
+from services.gateway.errors import BadRequest
+from services.gateway.routes.admin import audit
 from services.gateway.routes.bootstrap import owned_session
 
 
@@ -48,8 +51,17 @@ async def get_session(
 async def assign_session_project(
     session_id: str, data: w.SessionProjectRequest, gateway: Gateway, tenant: Tenant
 ) -> dict[str, str]:
-    """Accepted: this server has no projects, so the assignment changes nothing it serves."""
+    """Projects are labels: the session's project groups its usage, storage and search results."""
     await owned_session(gateway, tenant, session_id)
+    if not data.project_id:
+        raise BadRequest("project_id is required")
+    await gateway.store.update(
+        s.KV_SESSIONS,
+        s.token(session_id),
+        SessionRecord,
+        lambda r: msgspec.structs.replace(r, project_id=data.project_id),
+    )
+    await audit(gateway, tenant, "project", "session_assigned", session_id, project_id=data.project_id)
     return {"session_id": session_id, "project_id": data.project_id}
 
 

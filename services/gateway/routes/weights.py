@@ -23,6 +23,9 @@ from services.gateway.errors import BadRequest
 from services.gateway.routes.training import _create
 from services.gateway.submit import check_seq, fingerprint_json, owned_model, sequenced
 
+FIRST_SEQ = 1
+"""The seq_id of a model's first request after its create (seq_id 0)."""
+
 
 def check_ttl(ttl_seconds: int | None) -> int | None:
     if ttl_seconds is not None and ttl_seconds <= 0:
@@ -129,7 +132,10 @@ async def _restore_ref(
 @post("/api/v1/load_weights", status_code=200, operation_id="load_weights")
 async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
     """Create mode (session_id + model_seq_id: a new model from the checkpoint, as
-    create_training_client_from_state sends it) or legacy mode (model_id + seq_id: load_state)."""
+    create_training_client_from_state sends it) or legacy mode (model_id + seq_id: load_state).
+
+    As on the hosted service, legacy mode is accepted only as the model's first request (seq_id 1);
+    later ones are a 400 `LoadWeights is not permitted with seq_id N` (the seq_id is consumed)."""
     digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
     if data.session_id is not None and data.model_seq_id is not None:
         ref, lora = await _restore_ref(gateway, tenant, data)
@@ -144,6 +150,11 @@ async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Ten
     seq = check_seq(data.seq_id)
 
     async def build() -> LoadWeights:
+        if seq != FIRST_SEQ:
+            raise BadRequest(
+                f"LoadWeights is not permitted with seq_id {seq}: load_state only as a training client's "
+                "first request; to resume elsewhere, create_training_client_from_state(path)"
+            )
         ref, lora = await _restore_ref(gateway, tenant, data)
         if lora.rank != model.lora.rank:
             raise BadRequest(

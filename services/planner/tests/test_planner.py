@@ -153,7 +153,7 @@ def test_optim_barriers_of_several_models_merge_save_does_not() -> None:
     sim.send(optim("a", 2), save("c", 2), optim("b", 2))
     sim.send(optim("c", 3))
     units = sim.plan()
-    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [SaveSlot]]  # c's save runs alone
+    assert [ops(u) for u in units] == [[StepSlot, StepSlot], [SaveSlot]]  # c's save: alone, grads kept
     assert isinstance(units[0], BarrierUnit)
     assert [op.model_id for op in units[0].ops] == ["a", "b"]
     for unit in units:
@@ -293,6 +293,7 @@ def test_a_rejected_optim_step_does_not_end_the_window() -> None:
     [unit] = sim.plan()
     assert rows(unit) == [("a:1", 0), ("a:3", 0)]  # one window across the refused step
     sim.finish(unit)
+    assert sim.planner.streams["a"].pending_grads  # the refused step ended nothing
     from libs.contracts.requests import CheckpointRef, LoadWeights
 
     ref = CheckpointRef(tinker_path="tinker://x/weights/y", directory="/nowhere", with_optimizer=True)
@@ -341,14 +342,17 @@ def test_a_redelivered_outcome_has_no_effect() -> None:
 
 
 # --- save / sampler save / load ----------------------------------------------------------------
-def test_save_state_with_pending_gradients_saves_and_leaves_the_window_open() -> None:
-    """save_state in the middle of a window becomes a SaveSlot (answered by the publisher), and
-    the window's optim_step that follows still steps it."""
+def test_save_state_with_pending_gradients_saves_and_leaves_them_for_the_next_step() -> None:
     sim = started("a")
     sim.send(fb("a", 1, [2]), save("a", 2), optim("a", 3))
     sim.run()
-    assert [ops(u) for u in sim.units[-2:]] == [[SaveSlot], [StepSlot]]
+    assert ops(sim.units[-1]) == [SaveSlot]
     assert sim.result("a:2") is None  # the publisher answers it
+    assert sim.planner.streams["a"].pending_grads  # still there: the next optim_step applies them
+    sim.send(optim("a", 3))
+    sim.run()
+    assert ops(sim.units[-1]) == [StepSlot]
+    assert not sim.planner.streams["a"].pending_grads
 
 
 def test_save_state_after_a_forward_only_pass_is_fine() -> None:
