@@ -38,6 +38,7 @@ class Stack:
     supervised_nats: SupervisedNats | None = None
     supervisor: Supervisor | None = None
     port: int = 0
+    sampler_port: int = 0
     logs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     listeners: list[Callable[[str, str], None]] = field(default_factory=list)  # (service, log line)
     _ready: dict[str, threading.Event] = field(default_factory=dict)
@@ -46,6 +47,11 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def sampler_url(self) -> str:
+        """The sampling engine, as the gateway reaches it."""
+        return f"http://127.0.0.1:{self.sampler_port}"
 
     @property
     def nats(self) -> NatsServer | None:
@@ -72,7 +78,7 @@ class Stack:
         self.supervised_nats = SupervisedNats(self.data_dir / "nats")
         self.supervised_nats.start()
         self.port = free_port()
-        sampler_port = free_port()
+        self.sampler_port = sampler_port = free_port()
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",

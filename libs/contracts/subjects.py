@@ -97,6 +97,14 @@ def result_subject(request_id: str) -> str:
     return f"tinker.result.{token(request_id)}"
 
 
+CANCEL_ALL = "tinker.cancel.>"
+"""Core NATS (no stream): a cancelled sample, so the gateway replica running it stops it."""
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"tinker.cancel.{token(request_id)}"
+
+
 def sample_subject(sampler_id: str) -> str:
     return f"tinker.sample.{token(sampler_id)}"
 

@@ -22,6 +22,7 @@ import httpx
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from infra.streams import sample_runner_durable
 from libs.contracts import codec
@@ -49,6 +50,9 @@ class SampleRunner:
         self.engines = gateway.engines
         self.slots = asyncio.Semaphore(gateway.config.sampling_capacity)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.running: dict[str, asyncio.Task[ResultBody]] = {}  # request id -> the job's generation
+        self.cancelled: set[str] = set()
+        self._cancels: Subscription | None = None
         self.stop = asyncio.Event()
         self.loop_task: asyncio.Task[None] | None = None
 
@@ -60,10 +64,22 @@ class SampleRunner:
         except nats.js.errors.NotFoundError:
             await js.add_consumer(durable.stream, durable.config)
         sub = await self.gateway.bus.pull(s.SAMPLES_ALL, s.DURABLE_SAMPLE_RUNNERS, s.STREAM_SAMPLES)
+        self._cancels = await self.gateway.bus.nc.subscribe(s.CANCEL_ALL, cb=self._on_cancel)
         self.loop_task = asyncio.create_task(self._loop(sub))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        """A sample was cancelled (on any replica): stop it here if this replica runs it."""
+        request_id = s.untoken(msg.subject.removeprefix("tinker.cancel."))
+        task = self.running.get(request_id)
+        if task is not None:
+            self.cancelled.add(request_id)
+            task.cancel()  # closes its engine request: the engine drops the rows
 
     async def close(self) -> None:
         self.stop.set()
+        if self._cancels is not None:
+            with contextlib.suppress(Exception):
+                await self._cancels.unsubscribe()
         if self.loop_task is not None:
             self.loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -96,7 +112,11 @@ class SampleRunner:
                 return
             crash_point("gateway.sample_started")  # fault tests: die holding an unacked job
             try:
-                body = await self.run(job)
+                body = await self._run_cancellable(job)
+            except _Cancelled:
+                await msg.ack()  # its result (cancelled) is on the results stream already
+                log.info("sample %s cancelled by its client; generation stopped", job.request_id)
+                return
             except httpx.TransportError as exc:  # the engine is down or restarting (killed mid-sample)
                 waited = (now_ns() - job.at_ns) / 1e9
                 if waited < self.gateway.config.sample_deadline_s:  # the sample's own deadline
@@ -129,6 +149,20 @@ class SampleRunner:
         finally:
             progress.cancel()
             self.slots.release()
+
+    async def _run_cancellable(self, job: SampleJob) -> ResultBody:
+        """`run` in a task of its own, which `_on_cancel` cancels; raises `_Cancelled` then."""
+        task: asyncio.Task[ResultBody] = asyncio.ensure_future(self.run(job))
+        self.running[job.request_id] = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if job.request_id in self.cancelled and task.cancelled():
+                raise _Cancelled() from None
+            raise
+        finally:
+            self.running.pop(job.request_id, None)
+            self.cancelled.discard(job.request_id)
 
     async def run(self, job: SampleJob) -> ResultBody:
         paused = False
@@ -203,6 +237,10 @@ class SampleRunner:
         if not sampler.adapter_name:
             return None
         return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir)
+
+
+class _Cancelled(Exception):
+    """The job's client cancelled it (cancel_future) while it ran."""
 
 
 def usage_event(job: SampleJob, body: SampleResult) -> RequestCompleted:

@@ -1,6 +1,6 @@
 """The sampler's HTTP surface: the subset of SGLang's server API that Tinkerd calls.
 
-Routes: ``POST /generate``, ``POST /load_lora_adapter``, ``POST /unload_lora_adapter``,
+Routes: ``POST /generate``, ``POST /abort_request``, ``POST /load_lora_adapter``, ``POST /unload_lora_adapter``,
 ``GET /server_info`` (alias ``/get_server_info``), ``GET /get_model_info`` (alias
 ``/model_info``), ``GET /health`` and ``GET /health_generate``.  Handlers only translate
 (``translate.py``) and delegate to an ``Engine``; errors use SGLang's bodies: 400
@@ -10,8 +10,10 @@ Routes: ``POST /generate``, ``POST /load_lora_adapter``, ``POST /unload_lora_ada
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import ValidationException
@@ -49,15 +51,73 @@ def _error(status: int, message: str) -> Response[ErrorResponse]:
 
 
 @post("/generate", status_code=200)
-async def generate(data: GenerateReqInput, state: State) -> GenerateOutput | list[GenerateOutput]:
-    """Generate for one prompt or a batch; a list when batched or ``n > 1``."""
+async def generate(
+    request: Request[Any, Any, Any], data: GenerateReqInput, state: State
+) -> GenerateOutput | list[GenerateOutput] | Response[ErrorResponse]:
+    """Generate for one prompt or a batch; a list when batched or ``n > 1``.
+
+    As in SGLang, a generation stops when its caller goes away (the connection closes: the
+    gateway cancelled the sample) or when ``/abort_request`` names its ``rid``; its rows leave
+    the batch at the next step."""
     engine = _engine(state)
     planned, as_list = to_sequences(data)
-    results = await engine.generate([p.sequence for p in planned])
+    work = asyncio.ensure_future(engine.generate([p.sequence for p in planned]))
+    gone = asyncio.ensure_future(_disconnected(request))
+    rids = [data.rid] if isinstance(data.rid, str) else list(data.rid or [])
+    running: dict[str, set[asyncio.Future[Any]]] = state.running
+    for rid in rids:
+        running.setdefault(rid, set()).add(work)
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()  # the caller went away: stop generating for it
+        try:
+            results = await work
+        except asyncio.CancelledError:
+            if _current_cancelled():
+                raise
+            return _error(400, "request aborted")
+    finally:
+        gone.cancel()
+        for rid in rids:
+            running.get(rid, set()).discard(work)
+            if not running.get(rid):
+                running.pop(rid, None)
     crash_point("sampler.generated")  # fault tests: die mid-request, the answer never sent
     texts = engine.token_texts if data.return_text_in_logprobs else None
     outputs = [to_output(p, r, texts) for p, r in zip(planned, results, strict=True)]
     return outputs if as_list else outputs[0]
+
+
+class AbortReqInput(msgspec.Struct, kw_only=True):
+    """SGLang's ``/abort_request`` body."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@post("/abort_request", status_code=200)
+async def abort_request(data: AbortReqInput, state: State) -> dict[str, int]:
+    """Stop generating for ``rid`` (or for every request): SGLang's route, for cancelled samples."""
+    running: dict[str, set[asyncio.Future[Any]]] = state.running
+    rids = list(running) if data.abort_all else [data.rid]
+    aborted = 0
+    for rid in rids:
+        for work in list(running.get(rid, ())):
+            aborted += work.cancel()
+    return {"aborted": aborted}
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns once the client has closed the connection (the ASGI ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _current_cancelled() -> bool:
+    """Whether the handler itself is being cancelled (shutdown), not only its generation."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @post("/load_lora_adapter", status_code=200)
@@ -176,6 +236,7 @@ def create_app(config: SamplerConfig, engine: Engine | None = None) -> Litestar:
     return Litestar(
         route_handlers=[
             generate,
+            abort_request,
             load_lora_adapter,
             unload_lora_adapter,
             server_info,
@@ -183,7 +244,7 @@ def create_app(config: SamplerConfig, engine: Engine | None = None) -> Litestar:
             health,
             health_generate,
         ],
-        state=State({"engine": served, "config": config}),
+        state=State({"engine": served, "config": config, "running": {}}),
         exception_handlers={
             RequestError: _request_error,
             AdapterError: _request_error,

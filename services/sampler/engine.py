@@ -209,6 +209,8 @@ class HFEngine:
         counts = dict(self._counts)
         counts["adapter_loads"] = self._registry.loads
         counts["adapter_evictions"] = self._registry.evictions
+        with self._cond:
+            counts["running_sequences"] = len(self._rows) + len(self._waiting)
         return EngineCounters(**counts)
 
     def close(self) -> None:

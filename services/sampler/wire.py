@@ -152,6 +152,8 @@ class EngineCounters(msgspec.Struct, kw_only=True):
     max_prefill_batch: int
     adapter_loads: int
     adapter_evictions: int
+    running_sequences: int = 0
+    """Sequences in the batch or waiting to join it, now (not cumulative)."""
 
 
 class ServerInfo(msgspec.Struct, kw_only=True):

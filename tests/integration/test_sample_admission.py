@@ -80,3 +80,61 @@ def test_a_failed_enqueue_gives_its_permits_back_and_the_retry_samples(tmp_path)
         assert permits() == 0, "permits are still held after the result"
     finally:
         stack.stop()
+
+
+def test_a_cancelled_sample_stops_generating_frees_its_permits_and_answers_cancelled(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A long greedy sample is cancelled mid-generation (cancel_future, as the SDK sends it for an
+    abandoned future): its future answers a `user` failure saying so, the engine's batch empties
+    well before the requested tokens were generated, and no sampling permit stays held."""
+    stack = Stack(tmp_path, services=("gateway", "sampler")).start()
+    try:
+        http = httpx.Client(base_url=stack.base_url, headers={"X-API-Key": "tml-cancel"}, timeout=60)
+        engine = httpx.Client(base_url=stack.sampler_url, timeout=60)
+
+        def post(path: str, body: dict[str, Any]) -> httpx.Response:
+            return http.post(path, json=body)
+
+        def counters() -> dict[str, int]:
+            return engine.get("/server_info").json()["internal_states"][0]  # type: ignore[no-any-return]
+
+        assert http.post("/api/v1/client/dynamic_config", json={"sdk_version": "t"}).json()["sample_cancel_enabled"]
+        session = post("/api/v1/create_session", {"type": "create_session", "sdk_version": "test"}).json()["session_id"]
+        sampler = post(
+            "/api/v1/create_sampling_session",
+            {"type": "create_sampling_session", "session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny-qwen3"},
+        ).json()["sampling_session_id"]
+        max_tokens, samples = 1_500, 2
+        accepted = post(
+            "/api/v1/asample",
+            {
+                "type": "sample",
+                "sampling_session_id": sampler,
+                "seq_id": 1,
+                "num_samples": samples,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
+            },
+        )
+        assert accepted.status_code == 200, accepted.text
+        request_id = accepted.json()["request_id"]
+        while counters()["generated_tokens"] == 0:  # wait until it is decoding (a condition, polled)
+            pass
+        cancelled = post("/api/v1/cancel_future", {"request_id": request_id})
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        result = post("/api/v1/retrieve_future", {"request_id": request_id}).json()
+        assert result["category"] == "user" and "cancelled by the client" in result["error"], result
+        while counters()["running_sequences"]:  # the engine drops the rows at its next step
+            pass
+        assert counters()["generated_tokens"] < max_tokens * samples  # it stopped early
+        assert counters()["finished_sequences"] == 0
+        status = http.get("/api/v1/operator/status").json()["gateway"]
+        assert status["sampling_permits_in_use"] == 0
+        again = post("/api/v1/cancel_future", {"request_id": request_id})
+        assert again.status_code == 200 and again.json()["status"] == "ok"  # already answered: a no-op
+        other = httpx.post(
+            f"{stack.base_url}/api/v1/cancel_future", json={"request_id": request_id}, headers={"X-API-Key": "tml-other"}
+        )
+        assert other.status_code == 404  # another tenant's future does not exist for it
+        assert post("/api/v1/retrieve_futures", {"prev_cursor": 0}).status_code == 400
+    finally:
+        stack.stop()

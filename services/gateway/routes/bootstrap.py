@@ -57,7 +57,8 @@ async def client_config(gateway: Gateway, tenant: Tenant) -> w.ClientConfigRespo
 
 @post("/api/v1/client/dynamic_config", status_code=200, operation_id="client_dynamic_config")
 async def client_dynamic_config(tenant: Tenant) -> w.ClientDynamicConfigResponse:
-    return w.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False)
+    # the SDK cancels the samples it abandons: cancel_future stops their generation
+    return w.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=True)
 
 
 @post("/api/v1/create_session", status_code=200, operation_id="create_session")

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
-from libs.contracts import ids
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
+from libs.contracts.results import Failure, RequestResult
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import Gone, NotFound
+from services.gateway.errors import Gone, NotFound, NotOffered
 from services.gateway.render import render
 
 
@@ -76,18 +77,52 @@ async def retrieve_future(
     return render(result, request.headers.get("accept", ""))
 
 
+CANCELLED = "cancelled by the client (cancel_future): the sample was stopped"
+
+
 @post("/api/v1/cancel_future", status_code=200, operation_id="cancel_future")
 async def cancel_future(data: w.CancelFutureRequest, gateway: Gateway, tenant: Tenant) -> dict[str, str]:
-    """Accepted and ignored: a training request that was sequenced always runs (its seq_id is spent)."""
-    return {"status": "ok"}
+    """Stop a sample the client abandoned (the SDK sends this when `sample_cancel_enabled`).
+
+    The future answers a `user` failure at once (which also frees its sampling permits on every
+    replica), and the replica running the job stops it: its engine request is closed, so the
+    engine drops its rows. A job still queued is skipped when it is pulled (it has a result). A
+    training request is left alone: once sequenced it always runs (its seq_id is spent)."""
+    owner, claim = await _owner(gateway, data.request_id)
+    if owner != tenant.id or claim is None:
+        raise NotFound(f"future {data.request_id!r} not found")
+    entity, _ = ids.split_request_id(data.request_id)
+    if not ids.is_sampler_id(entity) or await gateway.board.lookup(data.request_id) is not None:
+        return {"status": "ok"}
+    result = RequestResult(
+        kind="sample",
+        body=Failure(error=CANCELLED, category="user"),
+        tenant=tenant.id,
+        model_id=entity,
+        request_id=data.request_id,
+        seq_id=claim_seq(data.request_id),
+        at_ns=now_ns(),
+    )
+    await gateway.bus.publish_once(s.result_subject(data.request_id), codec.pack(result), msg_id=data.request_id)
+    await gateway.bus.nc.publish(s.cancel_subject(data.request_id), b"")
+    return {"status": "cancelled"}
+
+
+def claim_seq(request_id: str) -> int:
+    _, seq = ids.split_request_id(request_id)
+    return int(seq)
 
 
 @post("/api/v1/retrieve_futures", status_code=200, operation_id="retrieve_futures")
 async def retrieve_futures(
     data: w.FuturesRetrieveRequest, gateway: Gateway, tenant: Tenant
 ) -> w.FuturesRetrieveResponse:
-    """Session-level poller (only with client flag sample_use_retrieve_futures, which we leave off)."""
-    return w.FuturesRetrieveResponse(completions=[], cursor=data.prev_cursor)
+    """The session-level poller is not offered: client config never sets
+    `sample_use_retrieve_futures`, so an SDK never calls this; anyone else learns it at once."""
+    raise NotOffered(
+        "retrieve_futures is not offered by this server (client config sample_use_retrieve_futures "
+        "is false): poll each future with retrieve_future"
+    )
 
 
 ROUTES = [retrieve_future, cancel_future, retrieve_futures]
