@@ -54,6 +54,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How long results are kept (the results stream's max age); older futures answer 410."""
     retrieve_wait_s: float = 30.0
     """How long retrieve_future holds a pending request before answering try_again."""
+    max_live_models_per_tenant: int = 256
+    """Models not unloaded per tenant (quotas.py); 0: no limit."""
+    max_stored_bytes_per_tenant: int = 100 << 30
+    """Bytes of catalogued checkpoints per tenant before named saves are refused; 0: no limit."""
     session_expiry_s: float = 300.0
     """A session with no heartbeat for this long is expired: its models are unloaded (the SDK
     beats every 10 s). Its futures still answer and its checkpoints stay."""

@@ -10,6 +10,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -44,7 +45,12 @@ TENANT_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(tmp_path_factory.mktemp("residency"), env_overrides={"TINKERD_NUM_SLOTS": str(SLOTS)}).start()
+    env = {
+        "TINKERD_NUM_SLOTS": str(SLOTS),
+        "TINKERD_GATEWAY_MAX_LIVE_MODELS_PER_TENANT": "2",
+        "TINKERD_GATEWAY_MAX_STORED_BYTES_PER_TENANT": "1",  # one checkpoint fills it
+    }
+    running = Stack(tmp_path_factory.mktemp("residency"), env_overrides=env).start()
     try:
         yield running
     finally:
@@ -154,3 +160,58 @@ def test_more_live_tenants_than_slots_all_finish_and_match_training_alone(stack:
     with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-residency-alone") as client:
         alone = train(client, seed=40)
     assert alone == results[0]
+
+
+def test_per_tenant_limits_refuse_before_claiming_and_free_up_with_unload_and_delete(stack: Stack) -> None:
+    """Live models and stored bytes are limited per tenant (2 models, 1 byte here): the request
+    over a limit is a 403 naming it and claims nothing, so after an unload (or a delete) the very
+    same request succeeds; other tenants are not affected."""
+    http = httpx.Client(base_url=stack.base_url, headers={"X-API-Key": "tml-residency-quota"}, timeout=60)
+
+    def post(path: str, body: dict[str, object]) -> httpx.Response:
+        return http.post(path, json=body)
+
+    def result(request_id: str) -> dict[str, object]:
+        got: dict[str, object] = {"type": "try_again"}
+        while got.get("type") == "try_again":  # each poll waits on the server for the result
+            got = post("/api/v1/retrieve_future", {"request_id": request_id}).json()
+        return got
+
+    session = post("/api/v1/create_session", {"type": "create_session", "sdk_version": "test"}).json()["session_id"]
+
+    def create(n: int) -> httpx.Response:
+        body = {"type": "create_model", "session_id": session, "model_seq_id": n, "base_model": "tiny-qwen3", "lora_config": {"rank": 2}}
+        return post("/api/v1/create_model", body)
+
+    models = []
+    for n in range(2):
+        created = create(n)
+        assert created.status_code == 200, created.text
+        models.append(result(created.json()["request_id"])["model_id"])
+    refused = create(2)
+    assert refused.status_code == 403 and "max_live_models_per_tenant" in refused.json()["error"], refused.text
+    assert refused.json()["category"] == "user"
+    other = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-residency-quota-other")
+    assert other.create_lora_training_client(base_model="tiny-qwen3", rank=2).result().model_id  # not affected
+    unload = post("/api/v1/unload_model", {"type": "unload_model", "model_id": models[0]})
+    assert unload.status_code == 200 and result(unload.json()["request_id"])["model_id"] == models[0]
+    again = create(2)  # the same request: nothing was claimed by the refusal
+    assert again.status_code == 200 and result(again.json()["request_id"])["model_id"]
+
+    saved = post("/api/v1/save_weights", {"type": "save_weights", "model_id": models[1], "path": "first", "seq_id": 1})
+    assert saved.status_code == 200, saved.text
+    path = str(result(saved.json()["request_id"])["path"])
+    second = {"type": "save_weights", "model_id": models[1], "path": "second", "seq_id": 2}
+    over = post("/api/v1/save_weights", second)
+    assert over.status_code == 403 and "max_stored_bytes_per_tenant" in over.json()["error"], over.text
+    ephemeral = post(
+        "/api/v1/save_weights_for_sampler",
+        {"type": "save_weights_for_sampler", "model_id": models[1], "seq_id": 2, "sampling_session_seq_id": 0},
+    )
+    assert ephemeral.status_code == 200, ephemeral.text  # not catalogued: not counted, not refused
+    assert result(ephemeral.json()["request_id"])["sampling_session_id"]
+    run, _, name = path.removeprefix("tinker://").partition("/weights/")
+    deleted = http.delete(f"/api/v1/training_runs/{run}/checkpoints/weights/{name}")
+    assert deleted.status_code == 200, deleted.text
+    second["seq_id"] = 3
+    assert post("/api/v1/save_weights", second).status_code == 200  # room again

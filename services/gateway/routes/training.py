@@ -22,6 +22,7 @@ from libs.contracts.requests import (
     ForwardBackward,
     OptimStep,
 )
+from services.gateway import quotas
 from services.gateway import tinker_proto as tp
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
@@ -68,6 +69,7 @@ async def _create(
 ) -> w.UntypedAPIFuture:
     await owned_session(gateway, tenant, session_id)
     model_id = ids.model_id(session_id, model_seq_id)  # the SDK computes this id itself
+    await quotas.check_live_models(gateway, tenant, model_id)
     record = ModelRecord(
         model_id=model_id,
         tenant=tenant.id,
@@ -75,7 +77,7 @@ async def _create(
         base_model=gateway.model.name,
         lora=lora,
         created_ns=now_ns(),
-        create_request_id=f"{model_id}:0",
+        create_request_id=ids.request_id(model_id, 0),
         user_metadata=user_metadata,
     )
     created, existing = await gateway.store.create(s.KV_MODELS, s.token(model_id), record, ModelRecord)

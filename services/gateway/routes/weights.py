@@ -15,6 +15,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import LoraConfig, now_ns
 from libs.contracts.records import ModelRecord, SamplerRecord
 from libs.contracts.requests import CheckpointRef, LoadWeights, SaveForSampler, SaveWeights
+from services.gateway import quotas
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.catalog import check_name, resolve_checkpoint
@@ -41,6 +42,7 @@ def _future(request_id: str, model_id: str) -> w.UntypedAPIFuture:
 async def save_weights(data: w.SaveWeightsRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
     await owned_model(gateway, tenant, data.model_id)
     seq = check_seq(data.seq_id)
+    await quotas.check_stored_bytes(gateway, tenant, data.model_id, seq)
 
     async def build() -> SaveWeights:
         name, ttl = check_name(data.path, "path"), check_ttl(data.ttl_seconds)
@@ -59,6 +61,8 @@ async def save_weights_for_sampler(
 ) -> w.UntypedAPIFuture:
     model = await owned_model(gateway, tenant, data.model_id)
     seq = check_seq(data.seq_id)
+    if data.path:  # named exports are catalogued (ephemeral ones for a sampler are not)
+        await quotas.check_stored_bytes(gateway, tenant, data.model_id, seq)
     sampler_id: str | None = None
 
     async def build() -> SaveForSampler:
@@ -109,6 +113,7 @@ async def save_weights_external(
     """A PEFT export under `tinker://RUN/external_weights/NAME`, downloadable through signed URLs."""
     await owned_model(gateway, tenant, data.model_id)
     seq = check_seq(data.seq_id)
+    await quotas.check_stored_bytes(gateway, tenant, data.model_id, seq)
 
     async def build() -> SaveForSampler:
         name, ttl = check_name(data.path, "path"), check_ttl(data.ttl_seconds)
