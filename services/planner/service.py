@@ -26,7 +26,7 @@ from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted, RequestFailed, SlotAssigned, UnitPlanned
-from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim
+from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim, TrainerStatus
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
@@ -62,6 +62,7 @@ class PlannerService:
         self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
         self._positions = Positions()  # the last sequence folded, per stream
         self._snapshot_due_ns = 0
+        self._slots_known = False  # until the group's trainer reported its slot count
         self._replayed: list[Completion] = []  # finished requests found by the replay
 
     async def start(self) -> None:
@@ -122,6 +123,7 @@ class PlannerService:
             asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
             asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
+            asyncio.create_task(self._learn_slots(stop)),
         ]
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -165,6 +167,8 @@ class PlannerService:
     async def _advance(self) -> None:
         """Publish finished requests and every unit that became plannable (in order)."""
         await self._publish_completions(self.planner.collect())
+        if not self._slots_known:
+            return  # nothing is planned before the trainer said how many adapter slots it has
         for unit in self.planner.plan():
             await self._emit_unit(unit)
         await self._publish_completions(self.planner.collect())
@@ -322,6 +326,48 @@ class PlannerService:
                     at_ns=now_ns(),
                 )
             self.bus.emit_soon(event)
+
+    async def _learn_slots(self, stop: asyncio.Event) -> None:
+        """Take the slot count from the group's trainer itself (its heartbeat in `tinker_trainers`),
+        so a planner configured with another number never assigns a slot the trainer lacks."""
+        kv = await self.bus.kv(s.KV_TRAINERS)
+        while not stop.is_set():  # quickly until the first report, then every 5 s
+            reported = set()
+            with contextlib.suppress(NoKeysError):
+                for key in await kv.keys():
+                    with contextlib.suppress(KeyNotFoundError):
+                        entry = await kv.get(key)
+                        status = codec.from_json(entry.value or b"{}", TrainerStatus)
+                        if status.group == self.config.trainer_group and status.ready:
+                            reported.add(status.num_slots)
+            if reported:
+                await self._adopt_slots(min(reported))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 5.0 if self._slots_known else 0.25)
+
+    async def _adopt_slots(self, num_slots: int) -> None:
+        state = self.planner.state
+        if num_slots == state.num_slots and self._slots_known:
+            return
+        async with self._lock:
+            if num_slots == state.num_slots:
+                self._slots_known = True
+                await self._advance()
+                return
+            held = max(state.slots, default=-1)
+            if held >= num_slots:
+                log.error(
+                    "trainer group %s reports %d adapter slots, but slot %d is assigned; keeping %d until "
+                    "it is freed", self.config.trainer_group, num_slots, held, state.num_slots,
+                )
+                return
+            log.info(
+                "trainer group %s has %d adapter slots (planner configured with %d): planning with %d",
+                self.config.trainer_group, num_slots, state.num_slots, num_slots,
+            )
+            state.num_slots = num_slots
+            self._slots_known = True
+            await self._advance()
 
     async def _seal_gaps(self, stop: asyncio.Event) -> None:
         """Seal a seq_id that stayed missing past the timeout, so it cannot stall its model.

@@ -1,5 +1,6 @@
 """More models than adapter slots (two slots here): idle models are paged out, every model is
-served, and paging changes nobody's numbers."""
+served, and paging changes nobody's numbers. The planner is configured with six slots: it must
+plan with the two the trainer reports (a slot the trainer lacks would fail every unit)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ TENANT_SCRIPT = textwrap.dedent(
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {
         "TINKERD_NUM_SLOTS": str(SLOTS),
+        "TINKERD_PLANNER_NUM_SLOTS": "6",  # wrong on purpose: the planner takes the trainer's count
         "TINKERD_GATEWAY_MAX_LIVE_MODELS_PER_TENANT": "2",
         "TINKERD_GATEWAY_MAX_STORED_BYTES_PER_TENANT": "1",  # one checkpoint fills it
     }
