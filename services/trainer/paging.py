@@ -69,8 +69,7 @@ def restore(engine: TrainerEngine, slot: int, paged: PagedState) -> None:
     def part(prefix: str) -> dict[str, torch.Tensor]:
         return {k.removeprefix(prefix): v for k, v in paged.tensors.items() if k.startswith(prefix)}
 
-    meta = paged.meta
-    engine.init_slot(slot, meta.lora)
+    meta = paged.meta  # set_slot_state replaces everything: no fresh (random) init needed first
     state = SlotState(meta.lora, meta.step, part("adapter."), part("exp_avg."), part("exp_avg_sq."))
     engine.set_slot_state(slot, state, with_optimizer=True)
     engine.set_slot_grads(slot, part("grad."), meta.pending)
