@@ -48,6 +48,33 @@ from libs.contracts.results import (
     UnloadModelResponse as UnloadModelResponse,
 )
 from services.gateway import tinker_proto as tp
+from services.gateway.admin_wire import (  # the account and admin schemas, defined once there
+    AuthTokenResponse as AuthTokenResponse,
+)
+from services.gateway.admin_wire import (
+    CopyWeightsRequest as CopyWeightsRequest,
+)
+from services.gateway.admin_wire import (
+    CopyWeightsResponse as CopyWeightsResponse,
+)
+from services.gateway.admin_wire import (
+    SearchOwner as SearchOwner,
+)
+from services.gateway.admin_wire import (
+    SessionSearchCursor as SessionSearchCursor,
+)
+from services.gateway.admin_wire import (
+    SessionSearchRequest as SessionSearchRequest,
+)
+from services.gateway.admin_wire import (
+    SessionSearchResponse as SessionSearchResponse,
+)
+from services.gateway.admin_wire import (
+    SessionSummary as SessionSummary,
+)
+from services.gateway.admin_wire import (
+    TraceExportResponse as TraceExportResponse,
+)
 
 Metadata = dict[str, Any]
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
@@ -351,14 +378,6 @@ class CreateCustomLossRequest(
     graph: CustomLossGraph = msgspec.field(default_factory=CustomLossGraph)
 
 
-class CopyWeightsRequest(msgspec.Struct, frozen=True, kw_only=True):
-    source_path: str
-    session_id: str | None = None
-    model_seq_id: int | None = None
-    destination_project_id: str | None = None
-    ttl_seconds: int | None = None
-    weights_access_token: str | None = None
-
 
 class UnloadModelRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="unload_model"):
     model_id: str
@@ -470,30 +489,6 @@ class SessionProjectRequest(msgspec.Struct, frozen=True, kw_only=True):
     project_id: str
 
 
-class SearchOwner(msgspec.Struct, frozen=True, kw_only=True):
-    type: Literal["own", "accessible", "user"] = "own"
-    owner_urns: list[str] = []
-
-
-class SessionStatusQuery(msgspec.Struct, frozen=True, kw_only=True):
-    type: Literal["active", "cancelled", "failed", "client_finished"]
-    reasons: list[str] | None = None
-
-
-class SessionSearchCursor(msgspec.Struct, frozen=True, kw_only=True):
-    last_created_at: dt.datetime
-    last_session_id: str
-
-
-class SessionSearchRequest(msgspec.Struct, frozen=True, kw_only=True):
-    session_id: str | None = None
-    project_ids: list[str] | None = None
-    user_metadata: dict[str, str] = {}
-    display_name: str | None = None
-    owner: SearchOwner = msgspec.field(default_factory=SearchOwner)
-    statuses: list[SessionStatusQuery] | None = None
-    limit: Annotated[int, msgspec.Meta(ge=1, le=200)] = 50
-    cursor: SessionSearchCursor | None = None
 
 
 # --- futures (responses) ----------------------------------------------------------------
@@ -603,9 +598,6 @@ class HealthResponse(msgspec.Struct, frozen=True, kw_only=True):
     status: Literal["ok"]
 
 
-class AuthTokenResponse(msgspec.Struct, frozen=True, kw_only=True):
-    jwt: str
-
 
 class SupportedModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     model_name: str | None = None
@@ -650,9 +642,6 @@ class CreateCustomLossResponse(
     loss_id: str
 
 
-
-class CopyWeightsResponse(msgspec.Struct, frozen=True, kw_only=True):
-    tinker_path: str
 
 
 # --- sampling (responses) ---------------------------------------------------------------
@@ -751,30 +740,6 @@ class GetSessionResponse(msgspec.Struct, frozen=True, kw_only=True, omit_default
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
 
-
-class TraceExportResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Not a future result, so ``error`` (set only when ``status`` is "failed") is safe here."""
-
-    status: Literal["pending", "ready", "failed"]
-    url: str | None = None
-    error: str | None = None
-
-
-class SessionSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    session_id: str
-    created_at: dt.datetime
-    owner: str
-    project_id: str
-    checkpoints_count: int
-    status: Metadata | None = None  # {"type": "active"} | {"type": "client_finished", ...} | ...
-    display_name: str | None = None
-    user_metadata: dict[str, str] | None = None
-    checkpoint_storage_bytes: int | None = None
-
-
-class SessionSearchResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    sessions: list[SessionSummary]
-    next_cursor: SessionSearchCursor | None = None
 
 
 # --- JSON results for SDKs <= 0.24 ------------------------------------------------------

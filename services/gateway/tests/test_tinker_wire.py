@@ -41,6 +41,7 @@ from tinker.types.save_weights_for_sampler_response import (
 )
 from tinker.types.try_again_response import TryAgainResponse as SdkTryAgain
 
+from services.gateway import admin_wire as aw
 from services.gateway import tinker_proto as tp
 from services.gateway import tinker_wire as tw
 
@@ -672,7 +673,7 @@ DIRECT_RESPONSES: list[tuple[msgspec.Struct, type[pydantic.BaseModel]]] = [
                     owner="tml:user:1",
                     project_id="p",
                     checkpoints_count=2,
-                    status={"type": "active"},
+                    status=aw.SessionStatus(type="active"),
                 ),
                 tw.SessionSummary(
                     session_id="sess-0",
@@ -680,7 +681,7 @@ DIRECT_RESPONSES: list[tuple[msgspec.Struct, type[pydantic.BaseModel]]] = [
                     owner="tml:user:1",
                     project_id="p",
                     checkpoints_count=0,
-                    status={"type": "client_finished", "reason": {"type": "success"}, "detail": None},
+                    status=aw.SessionStatus(type="client_finished", reason=aw.FinishReason(type="success")),
                 ),
             ],
             next_cursor=tw.SessionSearchCursor(last_created_at=NOW, last_session_id="sess-0"),
