@@ -339,8 +339,8 @@ class SlotAdapter(nn.Module):
         """Both factors as grouped matmuls over the segments (one kernel each).
 
         Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
-        zero, part by part), and ``parts*r`` is rounded up to a multiple of 8 on CUDA (the
-        kernel's 16-byte alignment; the padding is zeros). Each slot's ``alpha/rank`` scales its
+        zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
+        kernel's alignment, on CPU as on CUDA; the padding is zeros). Each slot's ``alpha/rank`` scales its
         ``B`` (finite weights times a finite number), never the activations, so nothing
         multiplies another slot's values.
         """
@@ -348,7 +348,7 @@ class SlotAdapter(nn.Module):
         r = layout.rank
         a = self._a(layout.slots, r, rows.dtype)  # [S, parts*r, in]
         b = self._b(layout.slots, r, layout.scale, rows.dtype)  # [S, out, parts*r]
-        pad = (-a.shape[1]) % 8 if rows.device.type == "cuda" else 0
+        pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
         b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
         a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, w, in]
