@@ -14,7 +14,9 @@ A slot of rank ``r`` therefore trains ``r * (in + out)`` parameters per HF proje
 count of ``tinker_cookbook.hyperparam_utils.get_lora_param_count``.  The forward keeps one GEMM
 per factor: ``h = x @ [A_q; A_k; A_v]^T`` (``[T, parts*r]``), then ``h @ B_bd^T`` with the
 block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere, selected with
-``torch.where``, so the zeros are constants: they receive no gradient and never multiply one).
+``torch.where``: constants that receive no gradient, and whose products with the slot's own
+``h`` add exactly nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
+separate ones on ``B``, for one kernel instead of ``parts``.
 
 Ranks above a slot's rank are masked out by slicing, so those rows stay exactly zero.
 ``alpha = LORA_ALPHA = 32`` is chosen by the server for every slot (clients pick only the
