@@ -16,8 +16,10 @@ with lengths ``l_1..l_D`` (``T = sum l_d`` tokens) through a *frozen* base with 
     lora       6 * r * sum_m (in_m + out_m) * T
                                 per adapted linear m: forward x@A^T and h@B^T, backward the
                                 input gradient and the A and B gradients (3 x 2 FLOPs per MAC),
-                                with the trainer's fused layout (one A for q/k/v, one A for
-                                gate/up) plus the lm_head adapter.
+                                one adapter per HF projection (q, k, v, o, gate, up, down; the
+                                trainer's LoRA shape, as Tinker's) plus the lm_head adapter. The
+                                trainer's block-diagonal B (one GEMM for q/k/v, one for gate/up)
+                                spends more; that excess is not credited.
 
 MFU = (linear + attention + lora) / step time / ``H200_PEAK_BF16`` (dense bf16, datasheet).
 Norms, RoPE, SwiGLU, softmax-cross-entropy and other elementwise work are not counted.
@@ -90,6 +92,14 @@ def linear_dims(shape: Shape) -> list[tuple[int, int]]:
     return layer * shape.layers + [(h, shape.vocab)]  # + lm_head
 
 
+def lora_dims(shape: Shape) -> list[tuple[int, int]]:
+    """(in, out) of every adapted HF projection: q, k, v, o, gate, up, down per layer, lm_head."""
+    h, d = shape.hidden, shape.head_dim
+    q, kv = shape.heads * d, shape.groups * d
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, shape.ffn), (h, shape.ffn), (shape.ffn, h)]
+    return layer * shape.layers + [(h, shape.vocab)]
+
+
 def base_matmul_params(shape: Shape) -> int:
     return sum(i * o for i, o in linear_dims(shape))
 
@@ -100,7 +110,7 @@ def train_flops(shape: Shape, doc_lens: Sequence[int], lora_rank: int) -> dict[s
     linear = 4.0 * base_matmul_params(shape) * tokens
     pairs = sum(n * (n + 1) for n in doc_lens)
     attention = 6.0 * shape.layers * shape.heads * shape.head_dim * pairs
-    lora = 6.0 * lora_rank * sum(i + o for i, o in linear_dims(shape)) * tokens
+    lora = 6.0 * lora_rank * sum(i + o for i, o in lora_dims(shape)) * tokens
     return {"linear": linear, "attention": attention, "lora": lora, "total": linear + attention + lora}
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from libs.checkpoints.state_format import TrainingStateMeta
 from libs.contracts.common import now_ns
 from libs.contracts.events import ModelPagedIn, ModelPagedOut, OperationEvent
 from libs.contracts.ids import HANDOFF
@@ -42,6 +43,7 @@ from libs.faults import crash_point
 from services.trainer.checkpoint_files import StorageError, write_checkpoint
 from services.trainer.engine import DatumInput, DatumOutput, TrainerEngine
 from services.trainer.paging import Moved, PageStore
+from services.trainer.slot_state import SlotState
 from services.trainer.state_io import read_training_state
 
 log = logging.getLogger("tinkerd.trainer")
@@ -49,6 +51,14 @@ log = logging.getLogger("tinkerd.trainer")
 
 class UserError(Exception):
     """The caller's mistake (a checkpoint of another base model, ...): category ``user``."""
+
+
+def _read_state(directory: Path) -> tuple[SlotState, TrainingStateMeta]:
+    """A training checkpoint the caller named; what is wrong with it is the caller's to fix."""
+    try:
+        return read_training_state(directory)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
 
 def default_seed(model_id: str) -> int:
@@ -197,13 +207,13 @@ class Executor:
                     lora = msgspec.structs.replace(lora, seed=default_seed(op.model_id))
                 self.engine.init_slot(op.slot, lora)
             case InitSlot(restore=restore) if restore is not None:
-                state, meta = read_training_state(Path(restore.directory))
+                state, meta = _read_state(Path(restore.directory))
                 if meta.base_model != self.base_model:
                     raise UserError(f"checkpoint base model {meta.base_model!r} differs from {self.base_model!r}")
                 self.engine.init_slot(op.slot, meta.lora)
                 self.engine.set_slot_state(op.slot, state, with_optimizer=restore.with_optimizer)
             case LoadSlot(restore=restore):
-                state, _ = read_training_state(Path(restore.directory))
+                state, _ = _read_state(Path(restore.directory))
                 self.engine.set_slot_state(op.slot, state, with_optimizer=restore.with_optimizer)
             case ReleaseSlot():
                 self.engine.release_slot(op.slot)

@@ -3,13 +3,28 @@
 Each adapted linear ``y = W x`` (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2`` of every layer, and ``output_layer``) gains, for a token routed to slot ``s``:
 
-    y = W x + (alpha / rank_s) * B[s, :, :rank_s] @ (A[s, :rank_s, :] @ x)
+    y_o = W_o x + (alpha / rank_s) * B[s, o, :rank_s] @ (A[s, p(o), :rank_s, :] @ x)
 
-with ``A: (slots, r_max, in)`` and ``B: (slots, out, r_max)``.  Ranks above a slot's rank are
-masked out by slicing, so those rows stay exactly zero.  ``alpha = LORA_ALPHA = 32`` is chosen
-by the server for every slot (clients pick only the rank), so ``scaling = 32 / rank``.  A slot
-enables the attention modules (``train_attn``: qkv, proj), the MLP modules (``train_mlp``: fc1,
-fc2) and the unembedding (``train_unembed``: output_layer) independently.
+with ``A: (slots, parts, r_max, in)`` and ``B: (slots, out, r_max)``.  Every HF projection has
+its own LoRA pair, as Tinker trains them (``q, k, v, o, gate, up, down`` and the unembedding):
+megatron's fused ``linear_qkv`` holds three parts (q, k, v) and ``linear_fc1`` two (gate, up),
+each with its own ``A``; output row ``o`` belongs to part ``p(o)`` (qkv rows are interleaved per
+GQA group, see ``convert.fuse_qkv``) and its row of ``B`` multiplies that part's ``A x`` only.
+A slot of rank ``r`` therefore trains ``r * (in + out)`` parameters per HF projection, the
+count of ``tinker_cookbook.hyperparam_utils.get_lora_param_count``.  The forward keeps one GEMM
+per factor: ``h = x @ [A_q; A_k; A_v]^T`` (``[T, parts*r]``), then ``h @ B_bd^T`` with the
+block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere, selected with
+``torch.where``: constants that receive no gradient, and whose products with the slot's own
+``h`` add exactly nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
+separate ones on ``B``, for one kernel instead of ``parts``.
+
+Ranks above a slot's rank are masked out by slicing, so those rows stay exactly zero.
+``alpha = LORA_ALPHA = 32`` is chosen by the server for every slot (clients pick only the
+rank), so ``scaling = 32 / rank``; on every path it multiplies ``B`` in the adapters' own
+precision (fp32) before ``B`` is cast to the compute dtype, so a bf16 forward never rounds the
+scaling itself.  A slot enables the attention modules (``train_attn``: qkv, proj), the MLP
+modules (``train_mlp``: fc1, fc2) and the unembedding (``train_unembed``: output_layer)
+independently.
 
 Tensor parallelism follows the base layer: for a column-parallel base (qkv, fc1, output) ``A``
 is replicated and ``B`` holds this rank's output rows, and the rank-r activation passes
@@ -18,9 +33,9 @@ gradient is complete and identical on every rank.  For a row-parallel base (proj
 holds this rank's input columns, the rank-r activation passes
 ``reduce_from_tensor_model_parallel_region`` (all-reduce forward), and ``B`` is replicated.
 
-Initialisation: ``A`` is drawn from a ``torch.Generator`` seeded with the slot's seed
-(uniform in +-1/sqrt(in_features), the kaiming-uniform(a=sqrt(5)) bound PEFT uses), full size,
-then sharded, so every TP size yields the same adapter.  ``B = 0``: the adapted model starts
+Initialisation: every part's ``A`` is drawn from a ``torch.Generator`` seeded with the slot's
+seed (uniform in +-1/sqrt(in_features), the kaiming-uniform(a=sqrt(5)) bound PEFT uses), full
+size, then sharded, so every TP size yields the same adapter.  ``B = 0``: the adapted model starts
 exactly equal to the base model, while the non-zero ``A`` still gives ``B`` a non-zero
 gradient on the first step (were both zero, neither would ever move).
 
@@ -51,7 +66,7 @@ import torch
 from torch import nn
 
 from libs.contracts.common import LoraConfig
-from services.trainer.convert import ModelShape, ShardKind, shard
+from services.trainer.convert import ModelShape, ShardKind, fuse_glu, fuse_qkv, shard
 from services.trainer.parallel import tp_rank, tp_size
 
 LORA_ALPHA = 32.0
@@ -79,8 +94,13 @@ class TargetSpec:
     group: str  # "attn" | "mlp" | "unembed"
     in_features: int  # full (TP=1) sizes
     out_features: int
-    a_kind: ShardKind  # how lora_A (r, in) is sharded over TP
+    a_kind: ShardKind  # how lora_A (r, in) of each part is sharded over TP
     b_kind: ShardKind  # how lora_B (out, r) is sharded over TP
+    parts: tuple[int, ...] = ()  # output rows of each HF projection fused here (empty: one)
+
+    @property
+    def num_parts(self) -> int:
+        return max(1, len(self.parts))
 
     @property
     def column_parallel(self) -> bool:
@@ -102,9 +122,18 @@ def adapter_targets(shape: ModelShape) -> list[TargetSpec]:
                 (shape.num_heads + 2 * shape.num_groups) * d,
                 rep,
                 col,
+                (shape.num_heads * d, shape.num_groups * d, shape.num_groups * d),  # q, k, v
             ),
             TargetSpec(pre + "self_attention.linear_proj", "attn", shape.num_heads * d, h, row, rep),
-            TargetSpec(pre + "mlp.linear_fc1", "mlp", h, 2 * shape.ffn_hidden_size, rep, glu),
+            TargetSpec(
+                pre + "mlp.linear_fc1",
+                "mlp",
+                h,
+                2 * shape.ffn_hidden_size,
+                rep,
+                glu,
+                (shape.ffn_hidden_size, shape.ffn_hidden_size),  # gate, up
+            ),
             TargetSpec(pre + "mlp.linear_fc2", "mlp", shape.ffn_hidden_size, h, row, rep),
         ]
     targets.append(TargetSpec("output_layer", "unembed", h, shape.vocab_size, rep, col))
@@ -113,6 +142,29 @@ def adapter_targets(shape: ModelShape) -> list[TargetSpec]:
 
 def _local(size: int, kind: ShardKind, dim_is_split: bool) -> int:
     return size // tp_size() if dim_is_split and kind is not ShardKind.REPLICATED else size
+
+
+def row_parts(target: TargetSpec, shape: ModelShape) -> torch.Tensor | None:
+    """For each output row of this TP rank's ``B``, the index of the part it belongs to (None
+    for an unfused target): the full layout's part of every row, sharded like ``B`` itself."""
+    if target.num_parts == 1:
+        return None
+    labels = [torch.full((rows,), p, dtype=torch.int64) for p, rows in enumerate(target.parts)]
+    full = fuse_qkv(labels[0], labels[1], labels[2], shape) if len(labels) == 3 else fuse_glu(labels[0], labels[1])
+    return shard(full, target.b_kind, tp_rank(), tp_size())
+
+
+def block_diagonal(b: torch.Tensor, part_mask: torch.Tensor | None) -> torch.Tensor:
+    """``B_bd [.., out, parts*r]`` from ``b [.., out, r]``: row ``o`` holds ``b[.., o, :]`` in the
+    columns of its part, zeros elsewhere (``part_mask [out, parts]`` is the one-hot of ``p(o)``).
+
+    ``torch.where`` selects, it never multiplies: the zeros are constants, the gradient of ``b``
+    is the selected entries of ``B_bd``'s gradient (exactly, whatever the others hold)."""
+    if part_mask is None:
+        return b
+    out, parts = part_mask.shape
+    picked = torch.where(part_mask.view(out, parts, 1), b.unsqueeze(-2), b.new_zeros(()))  # [.., out, parts, r]
+    return picked.flatten(-2)  # [.., out, parts*r]
 
 
 class SlotRouting:
@@ -142,7 +194,9 @@ class SlotRouting:
             ]  # len(slots): the all-zero entry
             self._groups[key] = GroupLayout(
                 slots=torch.tensor(slots, device=x.device),
-                scale=torch.tensor([lora_scaling(self.configs[s].rank) for s in slots], device=x.device),
+                scale=torch.tensor(
+                    [lora_scaling(self.configs[s].rank) for s in slots], dtype=torch.float64, device=x.device
+                ),
                 rank=max(self.configs[s].rank for s in slots),
                 weight=torch.tensor(weight, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
@@ -160,7 +214,7 @@ class GroupLayout:
     """
 
     slots: torch.Tensor  # [S] int64
-    scale: torch.Tensor  # [S] float32
+    scale: torch.Tensor  # [S] float64 (cast to the adapters' dtype where it multiplies B)
     rank: int  # the largest rank among `slots`
     weight: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
@@ -202,15 +256,46 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 class SlotAdapter(nn.Module):
     """The slot-indexed LoRA tensors of one adapted linear and its forward-hook math."""
 
-    def __init__(self, target: TargetSpec, num_slots: int, max_rank: int, routing: SlotRouting) -> None:
+    def __init__(
+        self,
+        target: TargetSpec,
+        shape: ModelShape,
+        num_slots: int,
+        max_rank: int,
+        routing: SlotRouting,
+        device: str | torch.device = "cpu",
+    ) -> None:
         super().__init__()
         self.target = target
         self.routing = routing
         self.max_rank = max_rank
+        self.parts = target.num_parts
         in_local = _local(target.in_features, target.a_kind, dim_is_split=True)
         out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
-        self.lora_A = nn.Parameter(torch.zeros(num_slots, max_rank, in_local))  # (slots, r_max, in)
-        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank))  # (slots, out, r_max)
+        # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, self.parts, max_rank, in_local, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=device))
+        parts = row_parts(target, shape)
+        self.part_mask: torch.Tensor | None
+        if parts is None:
+            self.part_mask = None
+        else:  # [out, parts] one-hot of each local row's part
+            mask = parts.view(-1, 1) == torch.arange(self.parts).view(1, -1)
+            self.register_buffer("part_mask", mask.to(device), persistent=False)
+
+    def _a(self, slots: int | torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[parts*rank, in]`` (or ``[S, parts*rank, in]`` for a tensor of slots): every part's
+        first ``rank`` rows of ``A``, part after part."""
+        a = self.lora_A[slots, :, :rank] if isinstance(slots, int) else self.lora_A[:, :, :rank].index_select(0, slots)
+        return a.flatten(-3, -2).to(dtype)
+
+    def _b(self, slots: int | torch.Tensor, rank: int, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``scale * B`` built in the adapter's precision, cast to ``dtype`` and made block
+        diagonal: ``[out, parts*rank]`` (or ``[S, out, parts*rank]``)."""
+        b = self.lora_B[slots, :, :rank] if isinstance(slots, int) else self.lora_B[:, :, :rank].index_select(0, slots)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(b.dtype).view(-1, 1, 1)
+        return block_diagonal((b * scale).to(dtype), self.part_mask)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
@@ -238,61 +323,64 @@ class SlotAdapter(nn.Module):
             return None
         slots = sorted({s.slot for s in active})
         covered = sum(s.end - s.start for s in active) == x.shape[0]
-        if len(slots) == 1 and covered:
-            cfg = routing.configs[slots[0]]
-            a = self.lora_A[slots[0], : cfg.rank].to(x.dtype)  # [r, in]
-            b = self.lora_B[slots[0], :, : cfg.rank].to(x.dtype)  # [out, r]
-            return region((x @ a.t()) * lora_scaling(cfg.rank)) @ b.t()  # [T, 1, out]
-        if routing.stacked and grouped_mm_supported(x):
-            return self._grouped(x, region)
-        return self._per_segment(x, region)
-
-    def _grouped(self, x: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Both projections as grouped matmuls over the segments (one kernel each).
-
-        Only the largest active rank is used (every slot's rows/columns past its rank are zero),
-        rounded up to a multiple of 8 on CUDA (the kernel's 16-byte alignment; the padding is
-        zeros). Each slot's ``alpha/rank`` scales its ``B`` (finite weights times a finite
-        number), never the activations, so nothing multiplies another slot's values.
-        """
-        layout = self.routing.group_layout(self.target.group, x)
-        r = layout.rank
-        pad = (-r) % 8 if x.device.type == "cuda" else 0
-        a = self.lora_A[:, :r].index_select(0, layout.slots).to(x.dtype)  # [S, r, in]
-        b = self.lora_B[:, :, :r].index_select(0, layout.slots).to(x.dtype)  # [S, out, r]
-        b = b * layout.scale.to(x.dtype).view(-1, 1, 1)
-        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, r', in]
-        b = torch.nn.functional.pad(b, (0, pad))  # [S, out, r']
-        a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, r', in]
-        b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, r']
+        # Plain 2-D matmuls: ``[T, 1, in] @ [in, r]`` would take a different kernel (and
+        # rounding) with and without autograd, so forward_only would differ from forward_backward.
         rows = x.reshape(x.shape[0], x.shape[-1])  # [T, in]
-        h = torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets)  # [T, r']
-        h = region(h.unsqueeze(1)).squeeze(1)  # [T, r']
-        out = torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets)  # [T, out]
+        if len(slots) == 1 and covered:
+            rank = routing.configs[slots[0]].rank
+            a = self._a(slots[0], rank, x.dtype)  # [parts*r, in]
+            b = self._b(slots[0], rank, lora_scaling(rank), x.dtype)  # [out, parts*r]
+            out = region(rows @ a.t()) @ b.t()  # [T, out]
+        elif routing.stacked and grouped_mm_supported(x):
+            out = self._grouped(rows, region)
+        else:
+            out = self._per_segment(rows, region)
         return out.unsqueeze(1)  # [T, 1, out]
 
-    def _per_segment(self, x: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _grouped(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Both factors as grouped matmuls over the segments (one kernel each).
+
+        Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
+        zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
+        kernel's alignment, on CPU as on CUDA; the padding is zeros). Each slot's ``alpha/rank`` scales its
+        ``B`` (finite weights times a finite number), never the activations, so nothing
+        multiplies another slot's values.
+        """
+        layout = self.routing.group_layout(self.target.group, rows)
+        r = layout.rank
+        a = self._a(layout.slots, r, rows.dtype)  # [S, parts*r, in]
+        b = self._b(layout.slots, r, layout.scale, rows.dtype)  # [S, out, parts*r]
+        pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
+        b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
+        a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, w, in]
+        b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, w]
+        h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
+        return torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets)  # [T, out]
+
+    def _per_segment(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Each slot's segment through its own adapter: exact LoRA FLOPs, but kernels per segment.
 
         The better trade on a CPU, where FLOPs cost more than launches (docs/benchmarks.md).
         """
         routing = self.routing
-        rank_of = {s.slot: routing.configs[s.slot].rank for s in routing.segments}
-        r = max(rank_of.values())
+        rank_of = {
+            s.slot: routing.configs[s.slot].rank if routing.configs[s.slot].trains(self.target.group) else 0
+            for s in routing.segments
+        }
+        width = self.parts * max(rank_of.values())
         hidden = []
         for seg in routing.segments:
-            xs = x[seg.start : seg.end]  # [t, 1, in]
-            rank = rank_of[seg.slot] if routing.configs[seg.slot].trains(self.target.group) else 0
-            a = self.lora_A[seg.slot, :rank].to(x.dtype)  # [rank, in]
-            hidden.append(torch.nn.functional.pad(xs @ a.t(), (0, r - rank)))  # [t, 1, r]
-        h = region(torch.cat(hidden, dim=0))  # [T, 1, r]: one collective per module and forward
+            a = self._a(seg.slot, rank_of[seg.slot], rows.dtype)  # [parts*rank, in]
+            h_seg = rows[seg.start : seg.end] @ a.t()  # [t, parts*rank]
+            hidden.append(torch.nn.functional.pad(h_seg, (0, width - a.shape[0])))  # [t, width]
+        h = region(torch.cat(hidden, dim=0))  # [T, width]: one collective per module and forward
         out = []
         for seg in routing.segments:
-            cfg = routing.configs[seg.slot]
-            rank = cfg.rank if cfg.trains(self.target.group) else 0
-            b = self.lora_B[seg.slot, :, :rank].to(x.dtype)  # [out, rank]
-            out.append((h[seg.start : seg.end, ..., :rank] @ b.t()) * lora_scaling(cfg.rank))  # [t, 1, out]
-        return torch.cat(out, dim=0)  # [T, 1, out]
+            rank = rank_of[seg.slot]
+            b = self._b(seg.slot, rank, lora_scaling(routing.configs[seg.slot].rank), rows.dtype)  # [out, parts*r]
+            out.append(h[seg.start : seg.end, : self.parts * rank] @ b.t())  # [t, out]
+        return torch.cat(out, dim=0)  # [T, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         update = self.delta(args[0])
@@ -328,8 +416,8 @@ class AdapterPool(nn.Module):
         self.routing = SlotRouting()
         self.targets = adapter_targets(shape)
         self.adapters = nn.ModuleDict(
-            {_key(t.path): SlotAdapter(t, num_slots, max_rank, self.routing) for t in self.targets}
-        ).to(device)
+            {_key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, device) for t in self.targets}
+        )
         self._handles: list[Any] = []
 
     @property
@@ -360,12 +448,13 @@ class AdapterPool(nn.Module):
         with torch.no_grad():
             for target in self.targets:
                 bound = 1.0 / math.sqrt(target.in_features)
-                full = (
-                    torch.rand(config.rank, target.in_features, generator=gen) * (2 * bound) - bound
-                )  # [r, in]
-                if config.trains(target.group):
-                    a = self.adapter(target.path).lora_A
-                    a[slot, : config.rank] = shard(full, target.a_kind, tp_rank(), tp_size()).to(a.device)
+                a = self.adapter(target.path).lora_A
+                for part in range(target.num_parts):
+                    full = (
+                        torch.rand(config.rank, target.in_features, generator=gen) * (2 * bound) - bound
+                    )  # [r, in]
+                    if config.trains(target.group):
+                        a[slot, part, : config.rank] = shard(full, target.a_kind, tp_rank(), tp_size()).to(a.device)
         self.routing.configs[slot] = config
 
     def clear_slot(self, slot: int) -> None:
@@ -381,7 +470,10 @@ class AdapterPool(nn.Module):
         self.routing.configs.pop(slot, None)
 
     def slot_tensors(self, slot: int) -> list[SlotTensor]:
-        """The adapter tensors ``slot`` trains (its rank, its enabled modules), canonical order."""
+        """The adapter tensors ``slot`` trains (its rank, its enabled modules), canonical order.
+
+        ``lora_A`` of a fused target is ``[parts, r, in]`` (one ``A`` per HF projection, in the
+        order of ``TargetSpec.parts``), of any other ``[r, in]``; ``lora_B`` is ``[out, r]``."""
         config = self.routing.configs[slot]
         tensors: list[SlotTensor] = []
         for target in self.targets:
@@ -389,8 +481,9 @@ class AdapterPool(nn.Module):
                 continue
             module = self.adapter(target.path)
             r = config.rank
+            part: int | slice = slice(None) if target.num_parts > 1 else 0
             tensors.append(
-                SlotTensor(f"{target.path}.lora_A", module.lora_A, (slot, slice(0, r)), target.a_kind)
+                SlotTensor(f"{target.path}.lora_A", module.lora_A, (slot, part, slice(0, r)), target.a_kind)
             )
             tensors.append(
                 SlotTensor(

@@ -2,10 +2,11 @@
 
 PEFT adapts HF's separate projections, megatron fuses some of them, so the fused adapters are
 split: ``linear_qkv`` becomes ``q_proj``/``k_proj``/``v_proj`` and ``linear_fc1`` becomes
-``gate_proj``/``up_proj``.  Splitting a fused ``y = B A x`` by output rows keeps it exact:
-each part reuses the same ``A`` (duplicated) with its own rows of ``B`` (qkv rows are
-de-interleaved per GQA group exactly like the base weights).  ``output_layer`` maps to
-``lm_head``.
+``gate_proj``/``up_proj``.  A fused target already holds one ``A`` per projection
+(``lora_A [parts, r, in]``, see ``services/trainer/lora.py``), and each output row of its ``B``
+multiplies its own projection's ``A x`` only, so the split is a pure re-indexing: part ``p`` of
+``A`` with the rows of ``B`` that belong to projection ``p`` (qkv rows are de-interleaved per GQA
+group exactly like the base weights).  ``output_layer`` maps to ``lm_head``.
 
 Invariant: a PEFT model built from the export computes the same function as the engine's slot
 (same rank, ``lora_alpha = 32``, so the same ``alpha / r`` scaling).
@@ -51,11 +52,12 @@ def export_peft(
             key = f"decoder.layers.{i}.{suffix}"
             if f"{key}.lora_A" not in state.adapter:
                 continue
-            a = state.adapter[f"{key}.lora_A"]  # [r, in]
+            a = state.adapter[f"{key}.lora_A"]  # [parts, r, in] (fused) or [r, in]
+            a_parts = a.unbind(0) if len(hf_names) > 1 else (a,)  # each [r, in]
             bs = _split_b(suffix, state.adapter[f"{key}.lora_B"], shape)  # each [out_part, r]
-            for hf_name, b in zip(hf_names, bs, strict=True):
+            for hf_name, a_part, b in zip(hf_names, a_parts, bs, strict=True):
                 base = f"{_PREFIX}model.layers.{i}.{hf_name}"
-                tensors[f"{base}.lora_A.weight"] = a.clone().contiguous()
+                tensors[f"{base}.lora_A.weight"] = a_part.clone().contiguous()
                 tensors[f"{base}.lora_B.weight"] = b.contiguous()
                 targets.add(hf_name.split(".")[-1])
     if "output_layer.lora_A" in state.adapter:

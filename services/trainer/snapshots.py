@@ -12,6 +12,10 @@ bit. Snapshots are written atomically; the last two are kept.
 
 A paged state already on disk is hard-linked into the snapshot, not copied, and the page store
 then reads it from there (the spill file goes).
+
+A snapshot records the training-state format of its adapters (``state_format.FORMAT_VERSION``);
+one of another format is refused on restore (a ``msgspec.ValidationError``: recovery then
+replays the whole work stream instead, see ``services/trainer/recovery.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import msgspec
 
 from libs.checkpoints import layout
+from libs.checkpoints.state_format import FORMAT_VERSION
 from libs.contracts.ids import token
 from services.trainer import paging
 from services.trainer.engine import TrainerEngine
@@ -34,6 +39,7 @@ class SnapshotIndex(msgspec.Struct):
     work_seq: int
     slots: dict[int, str] = {}  # slot -> model id
     paged: list[str] = []  # model ids
+    format_version: int = 2  # of the adapters' layout; snapshots without the field held format 2
 
 
 def root(data_dir: Path, group: str) -> Path:
@@ -65,7 +71,7 @@ def take(
             path = store.file_of(model_id)
             assert path is not None
             links[_paged_file(model_id)] = path
-    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models)
+    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models, FORMAT_VERSION)
     files[INDEX] = msgspec.json.encode(index)
     directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files, links=links)
     for model_id in index.paged:
@@ -87,6 +93,11 @@ def latest(data_dir: Path, group: str) -> Path | None:
 def restore(engine: TrainerEngine, store: paging.PageStore, directory: Path) -> tuple[int, dict[int, str]]:
     """Load a snapshot into the engine and the page store. Returns (work_seq, slot -> model id)."""
     index = msgspec.json.decode((directory / INDEX).read_bytes(), type=SnapshotIndex)
+    if index.format_version != FORMAT_VERSION:
+        raise msgspec.ValidationError(
+            f"snapshot {directory.name} holds format-{index.format_version} adapters; this trainer "
+            f"reads format {FORMAT_VERSION}"
+        )
     for slot in index.slots:
         paging.restore(engine, slot, paging.decode(directory / f"slot-{slot}.safetensors"))
     for model_id in index.paged:

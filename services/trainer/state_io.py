@@ -37,8 +37,9 @@ def read_training_state(directory: Path) -> tuple[SlotState, fmt.TrainingStateMe
     meta = fmt.decode_training_meta(meta_path.read_bytes())
     if meta.kind != "training":
         raise ValueError(f"checkpoint kind is {meta.kind!r}, expected a training state")
-    if meta.format_version != fmt.FORMAT_VERSION or meta.layout != "megatron-tp1":
-        raise ValueError(f"checkpoint format {meta.format_version}/{meta.layout} is not supported")
+    reason = fmt.unreadable_reason(meta)
+    if reason is not None:
+        raise ValueError(reason)
     adapter = load_file(str(directory / fmt.ADAPTER_FILE))
     moments = load_file(str(directory / fmt.OPTIMIZER_FILE))
     exp_avg = {k.removeprefix("exp_avg."): v for k, v in moments.items() if k.startswith("exp_avg.")}

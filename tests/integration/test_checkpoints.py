@@ -97,3 +97,22 @@ def test_checkpoint_names_that_could_escape_are_refused(stack: Stack, name: str)
     with pytest.raises(tinker.BadRequestError, match="not a valid checkpoint name"):
         training.save_state(name).result()
     assert not any(Path(stack.data_dir).rglob("escape"))
+
+
+def test_a_checkpoint_of_the_shared_a_lora_format_is_refused_naming_it(stack: Stack) -> None:
+    """A save_state checkpoint of format 2 (from before LoRA had one A per projection) cannot be
+    resumed: loading it fails at once with a user error that names its format and the reason."""
+    import json
+
+    service = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-old-format")
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=1).result()
+    path = training.save_state("old").result().path
+    run, _, name = path.removeprefix("tinker://").split("/")
+    directory = layout.resolve(layout.public_path(stack.data_dir, run, "training", name))
+    assert directory is not None
+    meta = json.loads((directory / "state.json").read_text())
+    assert meta["format_version"] == 3
+    (directory / "state.json").write_text(json.dumps(meta | {"format_version": 2}))
+    with pytest.raises(tinker.RequestFailedError, match="checkpoint format 2 predates format 3") as refused:
+        service.create_training_client_from_state(path).result()
+    assert refused.value.category == types.RequestErrorCategory.User

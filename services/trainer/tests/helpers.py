@@ -1,8 +1,8 @@
 """Test helpers: random datums and adapters, and an independent plain-torch LoRA reference.
 
 The reference runs the Hugging Face model one datum at a time (no packing, no megatron) with a
-hand-written LoRA on HF's separate projections; q/k/v share one ``A`` and gate/up share one
-``A`` (the fused adapters' math), every other tensor is its own parameter.
+hand-written LoRA on HF's separate projections: every projection has its own ``A`` and ``B``
+(Tinker's LoRA shape), each its own parameter.
 """
 
 from __future__ import annotations
@@ -117,20 +117,13 @@ class ReferenceLoRAModel:
             p.requires_grad_(False)
         self.params: dict[str, nn.Parameter] = {}
         self.magnitudes = _Magnitudes()
-        shared_a = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
         modules = dict(self.model.named_modules())
         prefix = "base_model.model."
         peft = peft or {}  # no adapter: the base model
         names = sorted({k[len(prefix) : -len(".lora_A.weight")] for k in peft if k.endswith("lora_A.weight")})
-        # Create owners of shared A first (q before k/v, gate before up).
-        for name in sorted(names, key=lambda n: n.split(".")[-1] in shared_a):
-            leaf = name.split(".")[-1]
+        for name in names:
             a_key = f"{prefix}{name}.lora_A.weight"
-            if leaf in shared_a:
-                owner = f"{prefix}{name.rsplit('.', 1)[0]}.{shared_a[leaf]}.lora_A.weight"
-                self.params[a_key] = self.params[owner]
-            else:
-                self.params[a_key] = nn.Parameter(peft[a_key].clone().to(dtype))
+            self.params[a_key] = nn.Parameter(peft[a_key].clone().to(dtype))
             b_key = f"{prefix}{name}.lora_B.weight"
             self.params[b_key] = nn.Parameter(peft[b_key].clone().to(dtype))
             parent_name, _, attr = name.rpartition(".")

@@ -115,3 +115,21 @@ def test_a_snapshot_holds_paged_models_and_restores_them(
         assert set(got) == set(want[model])
         assert all(torch.equal(got[k], v) for k, v in want[model].items()), model
         assert fresh.has_pending_grads(slot)
+
+
+def test_a_snapshot_of_an_older_adapter_format_is_refused(engine: TrainerEngine, tmp_path: Path) -> None:
+    """A snapshot written before the per-projection LoRA shape (its index has no format_version:
+    format 2) is refused on restore with a validation error naming both formats, which recovery
+    answers by replaying the whole work stream; nothing is loaded into the engine."""
+    import msgspec
+
+    store = paging.PageStore(tmp_path / "data" / "paged", host_budget_bytes=1 << 40)
+    engine.init_slot(0, X)
+    directory = snapshots.take(engine, {0: "a"}, store, tmp_path / "data", "g", work_seq=7)
+    index = msgspec.json.decode((directory / snapshots.INDEX).read_bytes())
+    assert index.pop("format_version") == 3
+    (directory / snapshots.INDEX).write_bytes(msgspec.json.encode(index))
+    engine.release_slot(0)
+    with pytest.raises(msgspec.ValidationError, match="format-2 adapters; this trainer reads format 3"):
+        snapshots.restore(engine, paging.PageStore(tmp_path / "data2" / "paged", 1 << 40), directory)
+    assert 0 not in engine.pool.configs

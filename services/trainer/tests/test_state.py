@@ -103,3 +103,34 @@ def test_peft_export_matches_engine_logits(
     with torch.no_grad(), peft_model.disable_adapter():
         plain = peft_model(torch.from_numpy(docs[0])[None]).logits[0]
     assert float((plain - got[0]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_of_an_older_lora_shape_is_refused_naming_its_format(
+    version: int, engine: TrainerEngine, tmp_path: Path
+) -> None:
+    """A save_state checkpoint of format 1 or 2 (one A shared by q/k/v and by gate/up) cannot be
+    resumed by the per-projection LoRA: reading it raises a ValueError that names its format and
+    says why, before any tensor is loaded."""
+    import msgspec
+
+    from libs.checkpoints import state_format as fmt
+    from services.trainer.state_io import read_training_state, training_state_files
+
+    engine.init_slot(0, LoraConfig(rank=2, seed=1))
+    state = engine.get_slot_state(0)
+    meta = fmt.TrainingStateMeta(base_model="m", model_id="x", tenant="t", lora=state.config, step=0)
+    for name, data in training_state_files(state, meta).items():
+        (tmp_path / name).write_bytes(data)
+    doc = msgspec.json.decode((tmp_path / fmt.STATE_FILE).read_bytes())
+    doc["format_version"] = version
+    if version == 1:  # format 1 spelled the LoRA config flat
+        doc |= doc.pop("lora")
+    (tmp_path / fmt.STATE_FILE).write_bytes(msgspec.json.encode(doc))
+    with pytest.raises(ValueError, match=f"checkpoint format {version} predates format 3: .*one A per projection"):
+        read_training_state(tmp_path)
+    doc["format_version"] = 3
+    if version == 1:
+        doc["lora"] = {k: doc.pop(k) for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
+    (tmp_path / fmt.STATE_FILE).write_bytes(msgspec.json.encode(doc))
+    assert read_training_state(tmp_path)[0].adapter.keys() == state.adapter.keys()  # the current one loads

@@ -1,0 +1,201 @@
+"""Tinker's LoRA shape: one LoRA pair per projection, so the parameter count is the cookbook's.
+
+The Tinker cookbook's ``hyperparam_utils.get_lora_param_count`` (the table its learning-rate
+recipes are tuned with) counts ``rank * (in + out)`` for every adapted HF projection. Each
+supported architecture (``libs.models.registry.SUPPORTED_ARCHS``) is checked at the sizes of
+every model of it in the cookbook's table, and the registry's own tiny presets against the same
+per-projection formula evaluated on their Hugging Face modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tinker_cookbook.hyperparam_utils import get_lora_param_count
+
+from libs.contracts.common import LoraConfig
+from libs.models.registry import SUPPORTED_ARCHS
+from services.trainer.convert import ModelShape, split_glu, split_qkv
+from services.trainer.engine import TrainerEngine
+from services.trainer.lora import AdapterPool, Segment, grouped_mm_supported, lora_scaling
+from services.trainer.tests.helpers import ce_datum, randomize_slot
+from tests.numerics import U32
+
+# Sizes from each model's published config.json (dense models of the supported architectures
+# that the cookbook's table lists; its MoE and other architectures are not served here).
+_CONFIGS: dict[str, dict[str, object]] = {
+    "Qwen/Qwen3-4B-Instruct-2507": dict(
+        model_type="qwen3", num_hidden_layers=36, hidden_size=2560, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3-8B": dict(
+        model_type="qwen3", num_hidden_layers=36, hidden_size=4096, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-32B": dict(
+        model_type="qwen3", num_hidden_layers=64, hidden_size=5120, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.2-1B": dict(
+        model_type="llama", num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "meta-llama/Llama-3.2-3B": dict(
+        model_type="llama", num_hidden_layers=28, hidden_size=3072, num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, intermediate_size=8192, vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "meta-llama/Llama-3.1-8B": dict(
+        model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.1-70B": dict(
+        model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+_FLAGS = [f for f in itertools.product((False, True), repeat=3) if any(f)]  # (attn, mlp, unembed)
+
+
+def _trained_count(pool: AdapterPool, slot: int) -> int:
+    """Values the slot trains: every tensor the optimizer steps and a checkpoint saves."""
+    return sum(t.value().numel() for t in pool.slot_tensors(slot))
+
+
+def test_every_supported_architecture_is_checked() -> None:
+    """The table below covers every architecture the registry serves."""
+    assert {str(c["model_type"]) for c in _CONFIGS.values()} == set(SUPPORTED_ARCHS)
+
+
+@pytest.mark.parametrize("name", sorted(_CONFIGS))
+def test_parameter_count_is_the_cookbooks(name: str, engines: dict[str, TrainerEngine]) -> None:
+    """A slot of rank 32 (in a pool of max rank 64) trains exactly
+    ``get_lora_param_count(name, 32, train_mlp, train_attn, train_unembed)`` values, for every
+    combination of the three module groups. (``engines``: megatron's parallel state is set up.)"""
+    shape = ModelShape.from_hf_config(SimpleNamespace(**_CONFIGS[name]))
+    pool = AdapterPool(shape, num_slots=1, max_rank=64, device="meta")  # shapes only, no memory
+    for attn, mlp, unembed in _FLAGS:
+        pool.routing.configs[0] = LoraConfig(rank=32, seed=0, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
+        want = get_lora_param_count(name, 32, train_mlp=mlp, train_attn=attn, train_unembed=unembed)
+        assert _trained_count(pool, 0) == want, (name, attn, mlp, unembed)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
+def test_tiny_presets_count_rank_times_in_plus_out_per_projection(
+    preset: str, engines: dict[str, TrainerEngine], model_dirs: dict[str, Path]
+) -> None:
+    """The registry's tiny models: the saved state and the PEFT export both hold
+    ``rank * (in + out)`` values per HF projection (q, k, v, o, gate, up, down, lm_head), the sizes
+    read from the Hugging Face model's own ``nn.Linear`` modules."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs[preset]), dtype=torch.float32)
+    leaves = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+    per_rank = sum(
+        m.in_features + m.out_features
+        for n, m in hf.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in leaves
+    )
+    engine = engines[preset]
+    engine.init_slot(0, LoraConfig(rank=5, seed=3))
+    try:
+        state = engine.get_slot_state(0)
+        tensors, _ = engine.export_peft(0)
+        assert sum(t.numel() for t in state.adapter.values()) == 5 * per_rank
+        assert sum(t.numel() for t in tensors.values()) == 5 * per_rank
+    finally:
+        engine.release_slot(0)
+
+
+def test_peft_export_is_a_pure_split_with_one_a_per_projection(engine: TrainerEngine) -> None:
+    """Each exported projection's ``lora_A`` is its own part of the fused ``A`` and its ``lora_B``
+    its own rows of the fused ``B`` (de-interleaved like the base weights), bit for bit; q, k and v
+    (and gate and up) start from different draws and are trained apart."""
+    state = randomize_slot(engine, 0, LoraConfig(rank=4, seed=1), seed=1)
+    rng = np.random.default_rng(3)
+    engine.forward_backward([ce_datum(rng, 0, 6)], "cross_entropy")
+    grads = engine.get_slot_grads(0)
+    engine.init_slot(1, LoraConfig(rank=4, seed=1))
+    init = engine.get_slot_state(1).adapter
+    tensors, _ = engine.export_peft(0)
+    pre, mg = "base_model.model.model.layers.1.", "decoder.layers.1."
+    qkv_a, fc1_a = state.adapter[f"{mg}self_attention.linear_qkv.lora_A"], state.adapter[f"{mg}mlp.linear_fc1.lora_A"]
+    assert qkv_a.shape == (3, 4, engine.shape.hidden_size) and fc1_a.shape == (2, 4, engine.shape.hidden_size)
+    q_b, k_b, v_b = split_qkv(state.adapter[f"{mg}self_attention.linear_qkv.lora_B"], engine.shape)
+    gate_b, up_b = split_glu(state.adapter[f"{mg}mlp.linear_fc1.lora_B"])
+    expected = {
+        "self_attn.q_proj": (qkv_a[0], q_b),
+        "self_attn.k_proj": (qkv_a[1], k_b),
+        "self_attn.v_proj": (qkv_a[2], v_b),
+        "mlp.gate_proj": (fc1_a[0], gate_b),
+        "mlp.up_proj": (fc1_a[1], up_b),
+    }
+    for module, (a, b) in expected.items():
+        assert torch.equal(tensors[f"{pre}{module}.lora_A.weight"], a), module
+        assert torch.equal(tensors[f"{pre}{module}.lora_B.weight"], b), module
+    for fused in ("self_attention.linear_qkv", "mlp.linear_fc1"):
+        for table in (init, grads):
+            parts = table[f"{mg}{fused}.lora_A"]
+            assert all(not torch.equal(parts[i], parts[j]) for i, j in itertools.combinations(range(len(parts)), 2))
+
+
+@pytest.mark.parametrize("path", ["single", "per-segment", "stacked"])
+@pytest.mark.parametrize("module", ["self_attention.linear_qkv", "self_attention.linear_proj"])
+def test_a_bf16_forward_scales_b_in_fp32(engine: TrainerEngine, module: str, path: str) -> None:
+    """In a bf16 forward the scaling ``alpha / rank`` is applied to ``B`` in float32, never
+    rounded to bf16: with integer activations (exact in bf16) ``B``'s gradient is
+    ``fl32(32/3) * (an exact integer)`` to float32 rounding, where a bf16-rounded scaling
+    (10.6875) would be 0.2% off. Holds on each LoRA path (one slot; several per segment; stacked)."""
+    scale = lora_scaling(3)
+    assert abs(float(torch.tensor(scale, dtype=torch.bfloat16)) / scale - 1) > 1e-3  # the test can tell
+    if path == "stacked":
+        assert grouped_mm_supported(torch.zeros(1, dtype=torch.bfloat16))
+    pool = engine.pool
+    adapter = pool.adapter(f"decoder.layers.0.{module}")
+    gen = torch.Generator().manual_seed(0)
+    engine.init_slot(0, LoraConfig(rank=3, seed=1))
+    engine.init_slot(1, LoraConfig(rank=2, seed=2))
+    with torch.no_grad():
+        adapter.lora_A.copy_(torch.randint(-2, 3, adapter.lora_A.shape, generator=gen).float())
+        adapter.lora_A[0, :, 3:] = 0  # past each slot's rank: zero
+        adapter.lora_A[1, :, 2:] = 0
+        adapter.lora_B.fill_(1.0)
+    tokens, width = 12, adapter.lora_A.shape[-1]
+    x = torch.zeros(tokens, 1, width, dtype=torch.bfloat16)
+    x[torch.arange(tokens), 0, torch.arange(tokens) * 7 % width] = 1  # one-hot rows: A x exact
+    seg = 8 if path != "single" else tokens
+    routing = pool.routing
+    routing.segments = [Segment(0, 0, seg)] + ([Segment(1, seg, tokens)] if seg < tokens else [])
+    routing.stacked = path == "stacked"
+    try:
+        out = adapter.delta(x)
+        assert out is not None
+        out.float().sum().backward()
+    finally:
+        routing.segments, routing.stacked = [], False
+    assert adapter.lora_B.grad is not None
+    grad = adapter.lora_B.grad[0, :, :3]  # [out, 3]
+    # d(sum of outputs)/dB[o, c] = scale * sum over slot 0's tokens of (A_p(o) x)[c]: integers
+    a = adapter.lora_A[0, :, :3].double()  # [parts, 3, in]
+    h = torch.einsum("pri,ti->tpr", a, x[:seg, 0].double()).sum(0)  # [parts, 3]
+    parts = torch.zeros(grad.shape[0], dtype=torch.int64)
+    if adapter.part_mask is not None:
+        parts = adapter.part_mask.long().argmax(1)
+    exact = h[parts]  # [out, 3]
+    want = torch.tensor(scale, dtype=torch.float32).double() * exact
+    assert bool((exact != 0).any())
+    assert float((grad.double() - want).abs().max()) <= U32 * float(want.abs().max())
+    adapter.lora_A.grad = None
+    adapter.lora_B.grad = None
