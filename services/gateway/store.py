@@ -6,11 +6,14 @@ replicas agree on identities without a lock.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import msgspec
 import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
 
 from infra.bus import Bus
 from libs.contracts import codec
@@ -18,6 +21,8 @@ from libs.contracts import subjects as s
 from services.gateway.errors import NotFound
 
 T = TypeVar("T")
+
+SCAN_IDLE_S = 5.0  # a scan waits this long for its next message before re-checking the stream
 
 
 class HasTenant(Protocol):
@@ -85,18 +90,44 @@ class Store:
             return []
 
     async def scan(self, bucket: str, type_: type[T], prefix: str = "") -> list[tuple[str, T]]:
-        """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass."""
-        kv = await self._bus.kv(bucket)
-        watcher = await kv.watchall(ignore_deletes=True)
+        """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass.
+
+        Reads the bucket's stream directly (the last message of every key, in order, until the
+        consumer reports nothing pending). Not nats-py's `watchall()`/`keys()`: their "initial
+        values done" marker can come before the first value when the client is slow to run its
+        callbacks, and a scan then returned nothing."""
+        js = self._bus.js
+        stream = f"KV_{bucket}"
+        if (await js.stream_info(stream)).state.messages == 0:
+            return []
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        sub = await js.subscribe(
+            f"$KV.{bucket}.>",
+            stream=stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            cb=queue.put,
+        )
         found: dict[str, T] = {}
         try:
-            async for entry in watcher:
-                if entry is None:  # the marker after the initial values
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), SCAN_IDLE_S)
+                except TimeoutError:
+                    if (await js.stream_info(stream)).state.messages == 0:
+                        break  # purged meanwhile: nothing left to read
+                    continue
+                key = msg.subject[len(f"$KV.{bucket}.") :]
+                headers = msg.headers or {}
+                removed = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
+                if removed or not msg.data:
+                    found.pop(key, None)
+                elif key.startswith(prefix):
+                    found[key] = codec.from_json(msg.data, type_)
+                if msg.metadata.num_pending == 0:
                     break
-                if entry.key.startswith(prefix) and entry.value:
-                    found[entry.key] = codec.from_json(entry.value, type_)
         finally:
-            await watcher.stop()
+            await sub.unsubscribe()
         return list(found.items())
 
     async def update(
