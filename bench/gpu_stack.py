@@ -143,7 +143,12 @@ class Bench:
         shutil.rmtree(tmp, ignore_errors=True)
         tiny = build_tiny(self.work / "tiny-tokenizer")
         tmp.mkdir(parents=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+        ):
             shutil.copy(tiny / name, tmp / name)
         s = self.shape
         preset = TinyPreset(
@@ -257,7 +262,10 @@ class Bench:
                 times.append(time.perf_counter() - t)
             median = float(np.median(times))
             self.engine_fb[name] = median
-            self.row("engine_fb", {"workload": name, "tokens": tokens, "ms": median * 1e3, "tok_s": tokens / median})
+            self.row(
+                "engine_fb",
+                {"workload": name, "tokens": tokens, "ms": median * 1e3, "tok_s": tokens / median},
+            )
         hp = AdamParams(learning_rate=1e-5)
         for count in (1, 4, 8):
             slots = {s: hp for s in range(count)}
@@ -299,7 +307,13 @@ class Bench:
             gen = torch.Generator(device=self.device).manual_seed(100 + i)
             tensors: dict[str, torch.Tensor] = {}
 
-            def put(module: str, fan_in: int, fan_out: int) -> None:
+            def put(
+                module: str,
+                fan_in: int,
+                fan_out: int,
+                gen: torch.Generator = gen,
+                tensors: dict[str, torch.Tensor] = tensors,
+            ) -> None:
                 a = torch.randn(RANK, fan_in, generator=gen, device=self.device) / fan_in**0.5
                 b = torch.randn(fan_out, RANK, generator=gen, device=self.device) * 0.01
                 tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(self.dtype).cpu()
@@ -327,11 +341,18 @@ class Bench:
         return out
 
     def sampler(self) -> None:
+        adapters = self.adapter_dirs(8)
+        parity, prompt_len = self.sampler_engine(adapters)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.hf_sampling(adapters, parity, prompt_len)
+
+    def sampler_engine(self, adapters: list[Path]) -> tuple[list[Any], int]:
         from services.sampler.config import SamplerConfig
         from services.sampler.interface import SequenceRequest
         from services.sampler.static_engine import StaticCacheEngine
 
-        adapters = self.adapter_dirs(8)
         t0 = time.perf_counter()
         engine = StaticCacheEngine(
             SamplerConfig(
@@ -408,11 +429,7 @@ class Bench:
         finally:
             engine.close()
             loop.close()
-            del engine
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
-        self.hf_sampling(adapters, parity, prompt_len)
+        return parity, prompt_len
 
     def hf_sampling(self, adapters: list[Path], parity: list[Any], prompt_len: int) -> None:
         """HF generate + PEFT speed on the same GPU, then the logprob floor against fp32."""
@@ -442,7 +459,13 @@ class Bench:
                 wall = time.perf_counter() - t
             self.row(
                 "hf_generate",
-                {"batch": batch, "new_tokens": new, "wall_s": wall, "tok_s": batch * new / wall, "ms_per_step": wall / new * 1e3},
+                {
+                    "batch": batch,
+                    "new_tokens": new,
+                    "wall_s": wall,
+                    "tok_s": batch * new / wall,
+                    "ms_per_step": wall / new * 1e3,
+                },
             )
         # Logprobs of the sampler's tokens: HF bf16 forward and HF fp32 forward (same weights).
         scored: dict[str, list[np.ndarray]] = {"bf16": [], "fp32": []}
@@ -462,7 +485,12 @@ class Bench:
 
         def diff(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, float]:
             d = np.concatenate([np.abs(x - y) for x, y in zip(a, b, strict=True)])
-            return {"mean_abs": float(d.mean()), "p99_abs": float(np.percentile(d, 99)), "max_abs": float(d.max()), "n": int(d.size)}
+            return {
+                "mean_abs": float(d.mean()),
+                "p99_abs": float(np.percentile(d, 99)),
+                "max_abs": float(d.max()),
+                "n": int(d.size),
+            }
 
         self.results.put("logprobs", "sampler_vs_fp32", diff(sampler, scored["fp32"]))
         self.results.put("logprobs", "hf_bf16_vs_fp32", diff(scored["bf16"], scored["fp32"]))
@@ -512,12 +540,14 @@ class Bench:
             self.results.put("stack", "start_s", time.perf_counter() - t0)
             self.log(f"stack ready in {time.perf_counter() - t0:.1f}s")
             base = str(self.model_dir)
-            services = [tinker.ServiceClient(base_url=stack.base_url, api_key=f"tml-gpu-tenant-{i}") for i in range(8)]
+            services = [
+                tinker.ServiceClient(base_url=stack.base_url, api_key=f"tml-gpu-tenant-{i}") for i in range(8)
+            ]
             clients = [s.create_lora_training_client(base_model=base, rank=RANK).result() for s in services]
             adam = types.AdamParams(learning_rate=1e-5)
 
             # forward_backward tokens/s through the SDK, same batches as the engine section.
-            for name, tenants, _, _ in FB_WORKLOADS:
+            for name, *_ in FB_WORKLOADS:
                 per_tenant: dict[int, list[Any]] = {}
                 for tenant, seq in self.fb_datums(name):
                     per_tenant.setdefault(tenant, []).append(sft_datum(seq))
@@ -559,14 +589,19 @@ class Bench:
                 sc = services[0].create_sampling_client(model_path=path)
                 sc.sample(prompt=prompt, num_samples=1, sampling_params=one).result()
                 total = time.perf_counter() - t
-                self.row("save_to_sample", {"try": k, "save_s": saved, "first_sample_s": total - saved, "total_s": total})
+                self.row(
+                    "save_to_sample",
+                    {"try": k, "save_s": saved, "first_sample_s": total - saved, "total_s": total},
+                )
             for k in range(2):
                 t = time.perf_counter()
                 clients[0].save_state(f"state{k}").result()
                 self.row("save_state", {"try": k, "s": time.perf_counter() - t})
 
             # SDK sampling throughput: 1 adapter x batch, and 8 adapters at once.
-            samplers = [c.save_weights_and_get_sampling_client(f"bench{i}").result() for i, c in enumerate(clients)]
+            samplers = [
+                c.save_weights_and_get_sampling_client(f"bench{i}").result() for i, c in enumerate(clients)
+            ]
             prompt_len, new = (PROMPT_LEN, NEW_TOKENS) if not self.tiny else (16, 8)
             params = types.SamplingParams(max_tokens=new, temperature=0.0)
             for batch in SAMPLE_BATCHES:
@@ -592,7 +627,13 @@ class Bench:
                     wall, produced = sample_once()
                     self.row(
                         "sdk_sample",
-                        {"batch": batch, "adapters": n_adapters, "wall_s": wall, "tok_s": produced / wall, "tokens": produced},
+                        {
+                            "batch": batch,
+                            "adapters": n_adapters,
+                            "wall_s": wall,
+                            "tok_s": produced / wall,
+                            "tokens": produced,
+                        },
                     )
             # Sampler vs trainer logprobs through the SDK (temperature 1 samples, trainer forward).
             self.sdk_logprobs(clients[1], samplers[1], types, sft_datum)
@@ -622,10 +663,14 @@ class Bench:
         for row in summary:
             self.row("overhead", row)
 
-    def sdk_logprobs(self, client: Any, sampler: Any, types: Any, sft_datum: Callable[[list[int]], Any]) -> None:
+    def sdk_logprobs(
+        self, client: Any, sampler: Any, types: Any, sft_datum: Callable[[list[int]], Any]
+    ) -> None:
         prompt_ids = self.tokens(4242, 64 if not self.tiny else 8)
         params = types.SamplingParams(max_tokens=64 if not self.tiny else 8, temperature=1.0, seed=3)
-        res = sampler.sample(prompt=types.ModelInput.from_ints(prompt_ids), num_samples=4, sampling_params=params).result()
+        res = sampler.sample(
+            prompt=types.ModelInput.from_ints(prompt_ids), num_samples=4, sampling_params=params
+        ).result()
         diffs = []
         for seq in res.sequences:
             full = prompt_ids + list(seq.tokens)
@@ -634,7 +679,12 @@ class Bench:
             tail = trainer[len(prompt_ids) - 1 :]
             diffs.append(np.abs(tail - np.asarray(seq.logprobs, dtype=np.float64)))
         d = np.concatenate(diffs)
-        stats = {"mean_abs": float(d.mean()), "p99_abs": float(np.percentile(d, 99)), "max_abs": float(d.max()), "n": int(d.size)}
+        stats = {
+            "mean_abs": float(d.mean()),
+            "p99_abs": float(np.percentile(d, 99)),
+            "max_abs": float(d.max()),
+            "n": int(d.size),
+        }
         self.results.put("logprobs", "sampler_vs_trainer_sdk", stats)
         self.log("sampler vs trainer (SDK)", stats)
 
@@ -653,7 +703,11 @@ class Bench:
             return train.Config(
                 learning_rate=1e-5,
                 dataset_builder=ArithmeticDatasetBuilder(
-                    batch_size=4, group_size=4, n_batches=3, model_name_for_tokenizer=model, renderer_name="role_colon"
+                    batch_size=4,
+                    group_size=4,
+                    n_batches=3,
+                    model_name_for_tokenizer=model,
+                    renderer_name="role_colon",
                 ),
                 model_name=model,
                 recipe_name=f"gpu_rl_{i}",
@@ -690,7 +744,11 @@ class Bench:
             self.results.error("rl", err)
         for i, log in enumerate(logs):
             metrics = log / "metrics.jsonl"
-            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+            rows = (
+                [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+                if metrics.exists()
+                else []
+            )
             for r in rows:
                 timing = {k: v for k, v in r.items() if k.startswith("time/")}
                 self.row("rl_steps", {"tenant": i, "step": r.get("step", r.get("progress")), **timing})
@@ -721,9 +779,27 @@ class Bench:
                 ("ms/step", "ms_per_step"),
             ],
             "hf_generate": [("batch", "batch"), ("tok/s", "tok_s"), ("ms/step", "ms_per_step")],
-            "sdk_sample": [("batch", "batch"), ("adapters", "adapters"), ("tok/s", "tok_s"), ("wall s", "wall_s")],
-            "save_to_sample": [("try", "try"), ("save s", "save_s"), ("first sample s", "first_sample_s"), ("total s", "total_s")],
+            "sdk_sample": [
+                ("batch", "batch"),
+                ("adapters", "adapters"),
+                ("tok/s", "tok_s"),
+                ("wall s", "wall_s"),
+            ],
+            "save_to_sample": [
+                ("try", "try"),
+                ("save s", "save_s"),
+                ("first sample s", "first_sample_s"),
+                ("total s", "total_s"),
+            ],
             "save_state": [("try", "try"), ("s", "s")],
+            "rl_steps": [
+                ("tenant", "tenant"),
+                ("step", "step"),
+                ("total s", "time/total"),
+                ("sampling s", "time/sampling"),
+                ("train step s", "time/train_step"),
+                ("save + sampling client s", "time/save_checkpoint_and_get_sampling_client"),
+            ],
         }
         for name, cols in specs.items():
             if t.get(name):
@@ -735,7 +811,9 @@ class Bench:
             if r["batch"] in hf
         ]
         if ratios:
-            parts.append(f"## sampler engine / HF generate+PEFT\n\n{markdown_table(ratios, [('batch', 'batch'), ('adapters', 'adapters'), ('x HF', 'x_hf')])}\n")
+            parts.append(
+                f"## sampler engine / HF generate+PEFT\n\n{markdown_table(ratios, [('batch', 'batch'), ('adapters', 'adapters'), ('x HF', 'x_hf')])}\n"
+            )
         if t.get("overhead"):
             parts.append("## overhead\n\n```\n" + json.dumps(t["overhead"], indent=1) + "\n```\n")
         lp = self.results.data["sections"].get("logprobs")
@@ -747,7 +825,9 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--work", default=None, help="model, adapters and stack data (default: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")

@@ -623,7 +623,6 @@ class Bench:
             self.row(table, m)
         if profile_batch is not None and self.time_left() > 30:
             self.profile(profile_batch, table)
-        del model
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
