@@ -561,7 +561,9 @@ class Bench:
                     return time.perf_counter() - t
 
                 once()
+                units_before = self.unit_count(stack)
                 times = [once() for _ in range(2 if self.tiny else 4)]
+                units = (self.unit_count(stack) - units_before) / len(times)
                 median = float(np.median(times))
                 engine = self.engine_fb.get(name)
                 self.row(
@@ -574,6 +576,7 @@ class Bench:
                         "engine_ms": engine * 1e3 if engine else None,
                         "engine_tok_s": tokens / engine if engine else None,
                         "ratio": engine / median if engine else None,
+                        "trainer_units_per_call": units,
                     },
                 )
             # Per-call overhead at this shape: SDK round trip minus the trainer's execute.
@@ -640,8 +643,39 @@ class Bench:
             if "rl" in self.args.sections.split(",") and self.time_left() > 120:
                 with self.section("rl"):
                     self.rl(stack)
+            self.diagnostics(stack)
         finally:
+            (self.out / "stack_logs.txt").write_text(stack.dump_logs())
             stack.stop()
+
+    def unit_count(self, stack: Any) -> int:
+        """Trainer units finished so far (the ``unit_done`` operation events)."""
+        from bench.common import event_tag, events
+
+        return sum(event_tag(e) == "unit_done" for e in events(stack.nats_url))
+
+    def diagnostics(self, stack: Any) -> None:
+        """Where long waits came from: the longest units, the gaps between units, the snapshots."""
+        from bench.common import event_tag, events
+
+        evs = events(stack.nats_url)
+        done = sorted((e for e in evs if event_tag(e) == "unit_done"), key=lambda e: e.at_ns)
+        started = sorted((e for e in evs if event_tag(e) == "started"), key=lambda e: e.at_ns)
+        longest = sorted(done, key=lambda e: -e.duration_ms)[:8]
+        self.results.put(
+            "diagnostics", "longest_units_ms", [(e.unit_id, e.duration_ms, e.at_ns / 1e9) for e in longest]
+        )
+        starts = [e.at_ns / 1e9 for e in started]
+        ends = [e.at_ns / 1e9 for e in done]
+        idle = sorted(((b - a, a) for a, b in zip(ends, starts[1:], strict=False) if b > a), reverse=True)[:8]
+        self.results.put("diagnostics", "longest_idle_between_units_s", idle)
+        snaps = []
+        for d in sorted(stack.data_dir.rglob("slots.json")):
+            folder = d.parent
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            snaps.append((str(folder.relative_to(stack.data_dir)), size, folder.stat().st_mtime))
+        self.results.put("diagnostics", "snapshots", snaps)
+        self.log("diagnostics", self.results.data["sections"]["diagnostics"])
 
     def overhead(self, stack: Any, client: Any, adam: Any) -> None:
         from bench.common import sft_datum
@@ -732,6 +766,7 @@ class Bench:
                 errors.append(traceback.format_exc())
 
         t = time.perf_counter()
+        self.results.put("rl", "started_at", time.time())
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(tenants)]
         for th in threads:
             th.start()
@@ -771,6 +806,7 @@ class Bench:
                 ("engine ms", "engine_ms"),
                 ("engine tok/s", "engine_tok_s"),
                 ("SDK / engine", "ratio"),
+                ("trainer units per call", "trainer_units_per_call"),
             ],
             "sampler_engine": [
                 ("batch", "batch"),

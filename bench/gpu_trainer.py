@@ -11,7 +11,7 @@ and recorded, the next section still runs):
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
                other attention backends on the 4k batches; a torch.profiler table
-    optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1 and 64 slots
+    optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32)
     hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
                rank 32 on q/k/v/o/gate/up/down and lm_head), same GPU; a profiler table
@@ -506,7 +506,9 @@ class Bench:
         from services.trainer.convert import ModelShape
         from services.trainer.lora import AdapterPool, SlotConfig
         from services.trainer.optim import AdamParams, SlotAdamW
+        from services.trainer.parallel import ensure_model_parallel
 
+        ensure_model_parallel(self.device.type)  # the step's norm is all-reduced over TP (size 1)
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(self.model_dir)))
         slots = 64
         self.peak_reset()
@@ -527,8 +529,8 @@ class Bench:
 
         step(slots)  # allocates the moments
         self.sync()
-        for count in (1, slots):
-            times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 1 else 5, self.sync)
+        for count in (1, 8, slots):
+            times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 8 else 5, self.sync)
             row = {"pool_slots": slots, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
             self.log("optim", row)
             self.row("optimizer", row)

@@ -200,7 +200,8 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
         base = _BASE_KEY.match(key)
         if base is not None and base["module"] in bases:
             # Only a copy of the model's own weight is acceptable (no resized vocabulary).
-            if not torch.equal(tensor.to(bases[base["module"]].weight.dtype), bases[base["module"]].weight):
+            weight = bases[base["module"]].weight
+            if not torch.equal(tensor.to(device=weight.device, dtype=weight.dtype), weight):
                 raise AdapterError(f"adapter {path!r} replaces the base weight of {base['module']!r}")
             continue
         raise AdapterError(f"adapter {path!r} has an unsupported tensor {key!r}")
