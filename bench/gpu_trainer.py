@@ -534,6 +534,7 @@ class Bench:
             row = {"pool_slots": slots, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
             self.log("optim", row)
             self.row("optimizer", row)
+        self.profile(functools.partial(step, 1), "optimizer")  # one slot's step, warm
         params = sum(p.numel() for p in pool.parameters())
         self.results.put(
             "optimizer",

@@ -73,6 +73,8 @@ class _SlotViews:
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     sharded: torch.Tensor | None  # (len(present grads),) bool: TP-sharded, else replicated
+    scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
+    scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
 
 
 class SlotAdamW:
@@ -127,11 +129,13 @@ class SlotAdamW:
         self._cached[slot] = views
         return views
 
-    def _scratch_views(self, like: list[torch.Tensor], copies: int) -> list[list[torch.Tensor]]:
-        """``copies`` lists of tensors shaped like ``like``, carved from one reused buffer."""
-        total = sum(t.numel() for t in like)
+    def _scratch_views(self, views: _SlotViews, copies: int) -> list[list[torch.Tensor]]:
+        """``copies`` lists of tensors shaped like the slot's values, carved from one buffer that
+        every slot reuses (grown when a slot needs more); the views are kept with the slot's."""
+        like = views.values
         if not like:
             return [[] for _ in range(copies)]
+        total = sum(t.numel() for t in like)
         ref = like[0]
         buffer = self._scratch
         if (
@@ -141,13 +145,16 @@ class SlotAdamW:
             or buffer.dtype != ref.dtype
         ):
             buffer = self._scratch = torch.empty(total * copies, dtype=ref.dtype, device=ref.device)
+        if views.scratch is not None and views.scratch_buffer is buffer and len(views.scratch) == copies:
+            return views.scratch
         out, offset = [], 0
         for _ in range(copies):
-            views = []
+            part = []
             for t in like:
-                views.append(buffer[offset : offset + t.numel()].view(t.shape))
+                part.append(buffer[offset : offset + t.numel()].view(t.shape))
                 offset += t.numel()
-            out.append(views)
+            out.append(part)
+        views.scratch, views.scratch_buffer = out, buffer
         return out
 
     def step(self, slot: int, tensors: list[SlotTensor], hp: AdamParams) -> StepReport:
@@ -164,12 +171,16 @@ class SlotAdamW:
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
         params = views.values
-        grads_ = [torch.zeros_like(p) if g is None else g for p, g in zip(params, views.grads, strict=True)]
+        grads_ = (
+            present
+            if len(present) == len(params)
+            else [torch.zeros_like(p) if g is None else g for p, g in zip(params, views.grads, strict=True)]
+        )
         exp_avg, exp_avg_sq = views.exp_avg, views.exp_avg_sq
         state = [*params, *exp_avg, *exp_avg_sq]
         with torch.no_grad():
             # The rollback copy and sqrt(v) live in one reused buffer: no allocation per tensor.
-            scratch = self._scratch_views(params, 4)
+            scratch = self._scratch_views(views, 4)
             before = [*scratch[0], *scratch[1], *scratch[2]]
             if state:
                 torch._foreach_copy_(before, state)  # to roll back a step that leaves non-finite values
