@@ -98,7 +98,12 @@ class Report:
     def ok(self) -> bool:
         unrecovered = [k for k in self.kills if k.ready_s is None]
         return not (
-            self.lost or self.stalled or self.doubled or self.rounds_differing or self.close_unfinished or unrecovered
+            self.lost
+            or self.stalled
+            or self.doubled
+            or self.rounds_differing
+            or self.close_unfinished
+            or unrecovered
         )
 
 
@@ -119,7 +124,12 @@ def reference_run(base: Path, tenants: int) -> dict[int, Any]:
 
 
 def soak(
-    base: Path, minutes: float, reference: dict[int, Any], tenants: int = TENANTS, seed: int = 0, quick: bool = False
+    base: Path,
+    minutes: float,
+    reference: dict[int, Any],
+    tenants: int = TENANTS,
+    seed: int = 0,
+    quick: bool = False,
 ) -> Report:
     """Rounds of the workload on a fresh stack under random kills for `minutes`; see the module docstring."""
     from tests.faults.conftest import FAULT_ENV
@@ -167,7 +177,11 @@ def soak(
                     lost=sum(1 for r in runs if r.error is not None and not r.stalled),
                     stalled=sum(1 for r in runs if r.stalled),
                     differs=differences([r for r in runs if r.error is None], reference)
-                    + [f"tenant {r.tenant}: {r.stalled or 'call'} failed: {r.error!r}"[:300] for r in runs if r.error],
+                    + [
+                        f"tenant {r.tenant}: {r.stalled or 'call'} failed: {r.error!r}"[:300]
+                        for r in runs
+                        if r.error
+                    ],
                     close_hung=sum(1 for r in runs if r.close_hung),
                     close_unfinished=sum(1 for r in runs if r.close_hung and not r.session_finished),
                 )
@@ -269,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos_soak")
     args = parser.parse_args(argv)
     minutes = args.minutes if args.minutes is not None else (1.0 if args.quick else 10.0)
-    header("Chaos soak", args.quick, tenants=TENANTS, minutes=minutes, seed=args.seed, targets=",".join(TARGETS))
+    header(
+        "Chaos soak", args.quick, tenants=TENANTS, minutes=minutes, seed=args.seed, targets=",".join(TARGETS)
+    )
     with tempfile.TemporaryDirectory(prefix="tinkerd-soak-") as tmp:
         reference = reference_run(Path(tmp), TENANTS)
         report = soak(Path(tmp), minutes, reference, TENANTS, args.seed, args.quick)
@@ -277,7 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(text + "\n")
-    data = {**asdict(report), "lost": report.lost, "stalled": report.stalled, "doubled": report.doubled, "ok": report.ok}
+    data = {
+        **asdict(report),
+        "lost": report.lost,
+        "stalled": report.stalled,
+        "doubled": report.doubled,
+        "ok": report.ok,
+    }
     (args.out / "report.json").write_text(json.dumps(data, indent=1))
     footer()
     print("PASS" if report.ok else "FAIL", flush=True)

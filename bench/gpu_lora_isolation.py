@@ -68,7 +68,9 @@ def batch(overflow: bool) -> list[DatumInput]:
     return out
 
 
-def run(engine: TrainerEngine, stacked: bool, overflow: bool) -> tuple[list[np.ndarray], dict[int, dict[str, torch.Tensor]], dict]:
+def run(
+    engine: TrainerEngine, stacked: bool, overflow: bool
+) -> tuple[list[np.ndarray], dict[int, dict[str, torch.Tensor]], dict]:
     engine.pool.routing.stacked = stacked
     setup(engine)
     outputs = engine.forward_backward(batch(overflow), "cross_entropy")
@@ -90,7 +92,11 @@ def timing(engine: TrainerEngine, device: str) -> dict[str, float]:
     alone = [DatumInput(0, t[:-1], {"target_tokens": t[1:]}) for t in tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out: dict[str, float] = {}
-    for name, datums, stacked in (("1 slot", alone, True), ("8 slots grouped", packed, True), ("8 slots per-segment", packed, False)):
+    for name, datums, stacked in (
+        ("1 slot", alone, True),
+        ("8 slots grouped", packed, True),
+        ("8 slots per-segment", packed, False),
+    ):
         engine.pool.routing.stacked = stacked
         times = []
         for i in range(25):
@@ -118,7 +124,9 @@ def main() -> int:
         lp_g, grads_g, _ = run(engine, True, False)
         lp_s, grads_s, _ = run(engine, False, False)
         agreement = {
-            "logprobs_rel": max(rel(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(lp_g, lp_s, strict=True)),
+            "logprobs_rel": max(
+                rel(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(lp_g, lp_s, strict=True)
+            ),
             "grads_rel": max(rel(grads_g[s][k], grads_s[s][k]) for s in SLOTS for k in grads_s[s]),
         }
         tolerance = 3e-2 if args.device == "cuda" else 1e-5
@@ -136,16 +144,24 @@ def main() -> int:
             steps = dirty_applied == {**clean_applied, BAD: False}
             passed = finite and identical and bad_overflowed and steps
             ok &= passed
-            print(json.dumps({
-                "section": f"isolation ({'grouped' if stacked else 'per-segment'})",
-                "bad_tenant_overflowed": bad_overflowed,
-                "neighbours_finite": finite,
-                "neighbours_bit_identical": identical,
-                "steps_applied": {str(k): v for k, v in dirty_applied.items()},
-                "passed": passed,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "section": f"isolation ({'grouped' if stacked else 'per-segment'})",
+                        "bad_tenant_overflowed": bad_overflowed,
+                        "neighbours_finite": finite,
+                        "neighbours_bit_identical": identical,
+                        "steps_applied": {str(k): v for k, v in dirty_applied.items()},
+                        "passed": passed,
+                    }
+                ),
+                flush=True,
+            )
 
-        print(json.dumps({"section": "timing", "device": args.device, **timing(engine, args.device)}), flush=True)
+        print(
+            json.dumps({"section": "timing", "device": args.device, **timing(engine, args.device)}),
+            flush=True,
+        )
     print("PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 

@@ -11,10 +11,16 @@ and recorded, the next section still runs):
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
                other attention backends on the 4k batches; a torch.profiler table
-    optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1 and 64 slots
+    optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32)
     hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
                rank 32 on q/k/v/o/gate/up/down and lm_head), same GPU; a profiler table
+    liger      the same through transformers + PEFT with Liger kernels (RMSNorm, RoPE, SwiGLU,
+               fused linear cross-entropy; CUDA only). Liger's fused loss reads
+               ``lm_head.weight`` directly, so an lm_head adapter would be silently left out of
+               the loss: this column adapts q/k/v/o/gate/up/down only (the lm_head LoRA is
+               0.15 % of the step's FLOPs at this shape). Runs after ``hf`` (it patches the
+               transformers Qwen3 classes in place)
 
 Outputs under ``--out``: results.json (every number), summary.md (the tables),
 profile_engine.txt and profile_hf.txt (top kernels), and whatever the caller tees the log to.
@@ -502,7 +508,9 @@ class Bench:
         from services.trainer.engine import AdamParams
         from services.trainer.lora import AdapterPool
         from services.trainer.optim import SlotAdamW
+        from services.trainer.parallel import ensure_model_parallel
 
+        ensure_model_parallel(self.device.type)  # the step's norm is all-reduced over TP (size 1)
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(self.model_dir)))
         slots = 64
         self.peak_reset()
@@ -523,11 +531,12 @@ class Bench:
 
         step(slots)  # allocates the moments
         self.sync()
-        for count in (1, slots):
-            times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 1 else 5, self.sync)
+        for count in (1, 8, slots):
+            times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 8 else 5, self.sync)
             row = {"pool_slots": slots, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
             self.log("optim", row)
             self.row("optimizer", row)
+        self.profile(functools.partial(step, 1), "optimizer")  # one slot's step, warm
         params = sum(p.numel() for p in pool.parameters())
         self.results.put(
             "optimizer",
@@ -535,9 +544,27 @@ class Bench:
             {"params": params, "peak_gib": self.peak_gib(), "params_per_slot": params // slots},
         )
 
-    def hf(self) -> None:
+    def liger(self) -> None:
+        if not self.cuda:
+            self.log("liger: skipped (its kernels are Triton, CUDA only)")
+            self.results.put("liger", "skipped", "needs CUDA")
+            return
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+        )
+        import liger_kernel
+
+        self.results.put("liger", "version", getattr(liger_kernel, "__version__", "?"))
+        self.hf(liger=True)
+
+    def hf(self, liger: bool = False) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        table = "liger" if liger else "hf"
+        label = "hf+peft+liger" if liger else "hf+peft sdpa"
 
         cfg = AutoConfig.from_pretrained(str(self.model_dir))
         self.peak_reset()
@@ -558,7 +585,7 @@ class Bench:
                 "gate_proj",
                 "up_proj",
                 "down_proj",
-                "lm_head",
+                *([] if liger else ["lm_head"]),
             ],
         )
         model = get_peft_model(model, lora)
@@ -566,9 +593,9 @@ class Bench:
         self.sync()
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         adapter_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-        self.log(f"hf+peft built in {time.perf_counter() - t0:.1f}s, trainable {trainable}, {adapter_dtypes}")
+        self.log(f"{label} built in {time.perf_counter() - t0:.1f}s, trainable {trainable}, {adapter_dtypes}")
         self.results.put(
-            "hf",
+            table,
             "build",
             {"trainable": trainable, "adapter_dtypes": adapter_dtypes, "peak_gib": self.peak_gib()},
         )
@@ -593,19 +620,23 @@ class Bench:
             m = self.measure(step, [n] * docs)
             m.update(
                 workload=name,
-                backend="hf+peft sdpa",
+                backend=label,
                 tenants=1,
                 loss_finite=bool(np.isfinite(m.pop("result"))),
             )
-            self.log("hf", m)
-            self.row("hf", m)
+            self.log(table, m)
+            self.row(table, m)
         if profile_batch is not None and self.time_left() > 30:
-            self.profile(profile_batch, "hf")
+            self.profile(profile_batch, table)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
 
     def summary(self) -> None:
         rows = self.rows
         engine = rows.get("engine", [])
         hf = {r["workload"]: r for r in rows.get("hf", [])}
+        lg = {r["workload"]: r for r in rows.get("liger", [])}
         main = (
             [
                 r
@@ -619,6 +650,7 @@ class Bench:
         table = []
         for r in main:
             h = hf.get(r["workload"]) if r["tenants"] == 1 else None
+            g = lg.get(r["workload"]) if r["tenants"] == 1 else None
             table.append(
                 {
                     "workload": r["workload"],
@@ -631,10 +663,13 @@ class Bench:
                     "hf_mfu": 100 * h["mfu"] if h else None,
                     "hf_peak": h["peak_gib"] if h else None,
                     "speedup": r["tokens_per_s"] / h["tokens_per_s"] if h else None,
+                    "liger_tok_s": g["tokens_per_s"] if g else None,
+                    "liger_peak": g["peak_gib"] if g else None,
+                    "x_liger": r["tokens_per_s"] / g["tokens_per_s"] if g else None,
                 }
             )
         parts = [
-            "## Engine (" + (engine[0]["backend"] if engine else "?") + ") vs HF+PEFT\n",
+            "## Engine (" + (engine[0]["backend"] if engine else "?") + ") vs HF+PEFT and HF+PEFT+Liger\n",
             markdown_table(
                 table,
                 [
@@ -648,6 +683,9 @@ class Bench:
                     ("HF+PEFT MFU %", "hf_mfu"),
                     ("HF peak GiB", "hf_peak"),
                     ("speedup", "speedup"),
+                    ("HF+PEFT+Liger tok/s", "liger_tok_s"),
+                    ("Liger peak GiB", "liger_peak"),
+                    ("engine / Liger", "x_liger"),
                 ],
             ),
         ]
@@ -727,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is present")
-    parser.add_argument("--sections", default="env,attention,engine,optimizer,hf")
+    parser.add_argument("--sections", default="env,attention,engine,optimizer,hf,liger")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
@@ -735,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     wanted = args.sections.split(",")
-    for name in ("env", "attention", "engine", "optimizer", "hf"):
+    for name in ("env", "attention", "engine", "optimizer", "hf", "liger"):
         if name not in wanted:
             continue
         with bench.section(name):
@@ -745,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine": bench.engine,
                 "optimizer": bench.optimizer64,
                 "hf": bench.hf,
+                "liger": bench.liger,
             }[name]()
     with bench.section("summary"):
         bench.summary()

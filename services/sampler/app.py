@@ -227,7 +227,15 @@ def create_app(config: SamplerConfig, engine: Engine | None = None) -> Litestar:
     An engine passed in is shared (tests, benchmarks) and is not closed on shutdown.
     """
     owned = engine is None
-    served: Engine = HFEngine(config) if engine is None else engine
+    served: Engine
+    if engine is not None:
+        served = engine
+    elif config.static:
+        from services.sampler.static_engine import StaticCacheEngine
+
+        served = StaticCacheEngine(config)
+    else:
+        served = HFEngine(config)
 
     def close_engine() -> None:
         if owned:

@@ -35,7 +35,17 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
     torch_threads: int | None = None
     """``torch.set_num_threads`` for the engine; ``None`` keeps torch's default."""
     attn_implementation: str = "sdpa"
-    """Transformers attention backend (``sdpa`` or ``eager``)."""
+    """Transformers attention backend (``sdpa`` or ``eager``) of the ``hf`` engine."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` (bf16, the static-cache engine) or ``auto`` (cuda when available)."""
+    engine: str = "auto"
+    """``hf`` (transformers' forward and cache, fp32 CPU), ``static`` (``static_engine.py``: a
+    preallocated KV cache, pooled LoRA slots, CUDA graphs on CUDA) or ``auto`` (``static`` on
+    CUDA, ``hf`` on the CPU)."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (one per batch-size and cache-length bucket)."""
+    prefill_tokens: int = 16384
+    """Most prompt tokens (padded) one prefill pass of the static engine admits."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_loaded_loras", "max_lora_rank"):
@@ -45,8 +55,32 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.engine not in ("auto", "hf", "static"):
+            raise ValueError(f"engine must be auto, hf or static, got {self.engine!r}")
+        if self.device == "cuda" and self.engine == "hf":  # "auto" + hf stays on the CPU
+            raise ValueError("the hf engine runs on the CPU only; use engine=static (or auto) on cuda")
+        if self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {self.prefill_tokens}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+    @property
+    def torch_device(self) -> str:
+        """``cpu`` or ``cuda``: ``auto`` resolved (and ``hf`` always on the CPU)."""
+        if self.engine == "hf" or self.device == "cpu":
+            return "cpu"
+        if self.device == "cuda":
+            return "cuda"
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def static(self) -> bool:
+        """Whether this configuration selects the static-cache engine."""
+        return self.engine == "static" or (self.engine == "auto" and self.torch_device == "cuda")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SamplerConfig:

@@ -85,6 +85,10 @@ class LoRARouting:
 
     def __init__(self) -> None:
         self.groups: list[tuple[LoadedAdapter, torch.Tensor | None]] = []
+        self.pool: LoRAPool | None = None
+        """Set by the static-cache engine: every adapter lives in a slot of this pool..."""
+        self.pool_mask: torch.Tensor | None = None
+        """...and this (B, 1, slots * rank) mask selects each row's slot for the next forward."""
 
     def route(self, row_adapters: Sequence[LoadedAdapter | None]) -> None:
         """Set the adapter of every row of the next forward (``None`` = base model)."""
@@ -120,6 +124,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (B, T, out)
+        pool, mask = self.routing.pool, self.routing.pool_mask
+        if pool is not None and mask is not None:
+            a, b = pool.weights[self.name]
+            return y + ((x @ a.T) * mask) @ b.T  # (B, T, S*R): only the row's own slot survives
         for adapter, rows in self.routing.groups:
             w = adapter.modules.get(self.name)
             if w is None:
@@ -198,7 +206,8 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
         base = _BASE_KEY.match(key)
         if base is not None and base["module"] in bases:
             # Only a copy of the model's own weight is acceptable (no resized vocabulary).
-            if not torch.equal(tensor.to(bases[base["module"]].weight.dtype), bases[base["module"]].weight):
+            weight = bases[base["module"]].weight
+            if not torch.equal(tensor.to(device=weight.device, dtype=weight.dtype), weight):
                 raise AdapterError(f"adapter {path!r} replaces the base weight of {base['module']!r}")
             continue
         raise AdapterError(f"adapter {path!r} has an unsupported tensor {key!r}")
@@ -218,6 +227,8 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {path!r} lacks lora_A or lora_B for {module!r}")
         a, b = ab["A"].float().contiguous(), ab["B"].float().contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"adapter {path!r}: {module} has non-finite values (NaN or inf)")
         in_features, out_features = bases[module].in_features, bases[module].out_features
         rank = a.shape[0]
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
@@ -237,6 +248,80 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
         modules[module] = LoRAWeights(a=a, b=b, scaling=scaling)
         max_seen = max(max_seen, rank)
     return LoadedAdapter(name=name, path=str(path), rank=max_seen, modules=modules)
+
+
+class LoRAPool:
+    """Every adapter module of ``slots`` adapters in one pair of matrices per target module.
+
+    For module ``m``: ``A_m`` is (slots * rank, in) and ``B_m`` is (out, slots * rank), slot
+    ``s`` owning rows/columns ``[s * rank, (s + 1) * rank)`` (a smaller rank is zero-padded, the
+    scaling is folded into ``B``).  A forward over rows with slots ``slot[i]`` computes
+    ``((x @ A_m.T) * mask) @ B_m.T`` with ``mask[i, c] = (c // rank == slot[i])``: fixed shapes
+    whatever the adapters (CUDA graphs capture it), one GEMM pair per module for all adapters.
+    Rows without an adapter have slot ``-1`` (an all-zero mask).  Non-finite adapters are
+    refused at load (``read_adapter``), so the zero products of other slots stay exactly zero:
+    one tenant's values never reach another tenant's row.
+    """
+
+    def __init__(
+        self, bases: dict[str, nn.Linear], slots: int, rank: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.slots, self.rank = slots, rank
+        width = slots * rank
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+            name: (
+                torch.zeros(width, base.in_features, device=device, dtype=dtype),
+                torch.zeros(base.out_features, width, device=device, dtype=dtype),
+            )
+            for name, base in bases.items()
+        }
+        self.column_slot = torch.arange(width, device=device) // rank
+        self.dtype = dtype
+        self._owner: list[LoadedAdapter | None] = [None] * slots
+        self._used = [0] * slots
+        self._clock = 0
+        self.loads = 0
+
+    def slot_of(self, adapter: LoadedAdapter) -> int | None:
+        for slot, owner in enumerate(self._owner):
+            if owner is adapter:
+                return slot
+        return None
+
+    def acquire(self, adapter: LoadedAdapter, busy: set[int]) -> int:
+        """The slot holding ``adapter``, loading it into a free or least recently used slot
+        outside ``busy`` (slots that running rows use).  Raises ``RuntimeError`` if none is free."""
+        self._clock += 1
+        slot = self.slot_of(adapter)
+        if slot is None:
+            free = [s for s in range(self.slots) if s not in busy]
+            if not free:
+                raise RuntimeError("every LoRA slot is in use by running rows")
+            slot = min(free, key=lambda s: (self._owner[s] is not None, self._used[s]))
+            self._load(slot, adapter)
+        self._used[slot] = self._clock
+        return slot
+
+    def _load(self, slot: int, adapter: LoadedAdapter) -> None:
+        lo, hi = slot * self.rank, (slot + 1) * self.rank
+        for name, (a, b) in self.weights.items():
+            w = adapter.modules.get(name)
+            if w is None:
+                a[lo:hi].zero_()
+                b[:, lo:hi].zero_()
+                continue
+            r = w.a.shape[0]
+            a[lo : lo + r].copy_(w.a)
+            a[lo + r : hi].zero_()
+            b[:, lo : lo + r].copy_(w.b)
+            b[:, lo : lo + r].mul_(w.scaling)
+            b[:, lo + r : hi].zero_()
+        self._owner[slot] = adapter
+        self.loads += 1
+
+    def mask(self, row_slots: torch.Tensor) -> torch.Tensor:
+        """(B, 1, slots * rank) in the pool's dtype for ``row_slots`` (B,) long (-1: no adapter)."""
+        return (self.column_slot[None, :] == row_slots[:, None]).to(self.dtype)[:, None, :]
 
 
 @dataclass(slots=True)

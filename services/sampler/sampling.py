@@ -51,12 +51,33 @@ def choose_token(
         min_p: drop tokens less likely than ``min_p`` times the most likely one.
         generator: the sequence's own RNG (seeded for reproducible sampling).
     """
-    if temperature <= GREEDY_EPS or top_k == 1:
-        return int(torch.argmax(logits))
+    return int(
+        choose_token_tensor(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator
+        )
+    )
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return temperature <= GREEDY_EPS or top_k == 1
+
+
+def choose_token_tensor(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``choose_token`` as a 0-d long tensor on ``logits``' device (no host sync)."""
+    if is_greedy(temperature, top_k):
+        return torch.argmax(logits)
     probs = torch.softmax(logits / temperature, dim=-1)  # (V,)
     vocab = probs.shape[-1]
     if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0 and min_p <= 0.0:
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return torch.multinomial(probs, 1, generator=generator)[0]
     if 0 < top_k < vocab:
         kept, index = torch.topk(probs, top_k)  # sorted, most likely first
     else:
@@ -67,7 +88,7 @@ def choose_token(
     if min_p > 0.0:
         kept = torch.where(kept >= min_p * kept[0], kept, torch.zeros_like(kept))
     choice = torch.multinomial(kept, 1, generator=generator)
-    return int(index[choice])
+    return index[choice][0]
 
 
 def stop_tail_tokens(stop_strs: Sequence[str]) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,27 @@ class StepReport:
     reason: str | None = None  # why the step was skipped
 
 
+@dataclass
+class _SlotViews:
+    """A slot's per-tensor views, built once and reused while the slot's layout is unchanged.
+
+    Slicing a slot-indexed parameter (and its gradient and moments) for each of a slot's few
+    hundred tensors costs more host time than the whole update on the GPU; the views stay valid
+    as long as the slot's tensors (names, ranks) and the parameters' gradient tensors are the same
+    objects, which ``SlotAdamW._views`` checks on every step.
+    """
+
+    key: list[tuple[str, tuple[Any, ...]]]  # (name, index) of each of the slot's tensors
+    grad_sources: list[torch.Tensor | None]  # each parameter's .grad when the views were made
+    values: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    sharded: torch.Tensor | None  # (len(present grads),) bool: TP-sharded, else replicated
+    scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
+    scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
+
+
 class SlotAdamW:
     """AdamW moments and step counters for every slot, keyed by tensor name then slot."""
 
@@ -51,6 +73,8 @@ class SlotAdamW:
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         self.steps: dict[int, int] = {}
+        self._cached: dict[int, _SlotViews] = {}
+        self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
 
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
@@ -65,29 +89,95 @@ class SlotAdamW:
                 full[slot].zero_()
         self.steps.pop(slot, None)
 
+    def _views(self, slot: int, tensors: list[SlotTensor]) -> _SlotViews:
+        cached = self._cached.get(slot)
+        if (
+            cached is not None
+            and cached.key == [(t.name, t.index) for t in tensors]
+            and all(t.param.grad is g for t, g in zip(tensors, cached.grad_sources, strict=True))
+        ):
+            return cached
+        moments = [self.moments(t) for t in tensors]
+        grads = [t.grad() for t in tensors]
+        present = [t for t, g in zip(tensors, grads, strict=True) if g is not None]
+        device = tensors[0].param.device if tensors else torch.device("cpu")
+        sharded = (
+            torch.tensor([t.kind is not ShardKind.REPLICATED for t in present], device=device)
+            if present
+            else None
+        )
+        views = _SlotViews(
+            key=[(t.name, t.index) for t in tensors],
+            grad_sources=[t.param.grad for t in tensors],
+            values=[t.value() for t in tensors],
+            grads=grads,
+            exp_avg=[m for m, _ in moments],
+            exp_avg_sq=[v for _, v in moments],
+            sharded=sharded,
+        )
+        self._cached[slot] = views
+        return views
+
+    def _scratch_views(self, views: _SlotViews, copies: int) -> list[list[torch.Tensor]]:
+        """``copies`` lists of tensors shaped like the slot's values, carved from one buffer that
+        every slot reuses (grown when a slot needs more); the views are kept with the slot's."""
+        like = views.values
+        if not like:
+            return [[] for _ in range(copies)]
+        total = sum(t.numel() for t in like)
+        ref = like[0]
+        buffer = self._scratch
+        if (
+            buffer is None
+            or buffer.numel() < total * copies
+            or buffer.device != ref.device
+            or buffer.dtype != ref.dtype
+        ):
+            buffer = self._scratch = torch.empty(total * copies, dtype=ref.dtype, device=ref.device)
+        if views.scratch is not None and views.scratch_buffer is buffer and len(views.scratch) == copies:
+            return views.scratch
+        out, offset = [], 0
+        for _ in range(copies):
+            part = []
+            for t in like:
+                part.append(buffer[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            out.append(part)
+        views.scratch, views.scratch_buffer = out, buffer
+        return out
+
     def step(self, slot: int, tensors: list[SlotTensor], hp: AdamParams) -> StepReport:
         """Apply one AdamW step to ``slot`` (``tensors`` = its adapter tensors), then zero grads."""
-        grads = [t.grad() for t in tensors]
-        norm = grad_norm(tensors)
+        views = self._views(slot, tensors)
+        present = [g for g in views.grads if g is not None]
+        norm = _grad_norm(present, views.sharded, tensors)
         if not math.isfinite(norm):
-            zero_grads(tensors)
+            _zero(present)
             return StepReport(False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})")
-        if hp.grad_clip_norm > 0:
+        if hp.grad_clip_norm > 0 and present:
             coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
-            for g in grads:
-                if g is not None:
-                    g.mul_(coef)
+            torch._foreach_mul_(present, coef)
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
-        params = [t.value() for t in tensors]
-        grads_ = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-        exp_avg, exp_avg_sq = zip(*(self.moments(t) for t in tensors), strict=True) if tensors else ((), ())
+        params = views.values
+        grads_ = (
+            present
+            if len(present) == len(params)
+            else [torch.zeros_like(p) if g is None else g for p, g in zip(params, views.grads, strict=True)]
+        )
+        exp_avg, exp_avg_sq = views.exp_avg, views.exp_avg_sq
         state = [*params, *exp_avg, *exp_avg_sq]
         with torch.no_grad():
-            before = [t.clone() for t in state]  # to roll back a step that leaves non-finite values
+            # The rollback copy and sqrt(v) live in one reused buffer: no allocation per tensor.
+            scratch = self._scratch_views(views, 4)
+            before = [*scratch[0], *scratch[1], *scratch[2]]
+            if state:
+                torch._foreach_copy_(before, state)  # to roll back a step that leaves non-finite values
             try:
-                self._update(params, grads_, list(exp_avg), list(exp_avg_sq), hp, step)
-                problem = None if all_finite(state, tensors) else "would have left non-finite weights or moments"
+                self._update(params, grads_, exp_avg, exp_avg_sq, hp, step, denom=scratch[3])
+                problem = (
+                    None if all_finite(state, tensors) else "would have left non-finite weights or moments"
+                )
             except RuntimeError as exc:  # e.g. a learning rate whose bias-corrected step overflows
                 problem = f"could not be computed ({exc})"
             if problem is not None:
@@ -96,7 +186,7 @@ class SlotAdamW:
                     self.steps[slot] = step - 1
                 else:
                     del self.steps[slot]
-                zero_grads(tensors)
+                _zero(present)
                 return StepReport(
                     False,
                     norm,
@@ -104,7 +194,7 @@ class SlotAdamW:
                     f"the step {problem} (gradient norm {norm:.3g}, learning_rate {hp.learning_rate:g}); "
                     "it was rolled back",
                 )
-        zero_grads(tensors)
+        _zero(present)
         return StepReport(True, norm, step)
 
     @staticmethod
@@ -115,9 +205,13 @@ class SlotAdamW:
         exp_avg_sq: list[torch.Tensor],
         hp: AdamParams,
         step: int,
+        denom: list[torch.Tensor] | None = None,
     ) -> None:
         """The same elementwise math as torch.optim.AdamW, as one kernel per op for all of the
-        slot's tensors (`_foreach_*`) instead of one per tensor: a few launches, not hundreds."""
+        slot's tensors (`_foreach_*`) instead of one per tensor: a few launches, not hundreds.
+        ``denom``: tensors shaped like ``params`` to hold sqrt(v) (allocated when not given)."""
+        if not params:
+            return
         bias1 = 1 - hp.beta1**step
         bias2_sqrt = (1 - hp.beta2**step) ** 0.5
         step_size = hp.learning_rate / bias1
@@ -126,10 +220,34 @@ class SlotAdamW:
         torch._foreach_lerp_(exp_avg, grads, 1 - hp.beta1)
         torch._foreach_mul_(exp_avg_sq, hp.beta2)
         torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - hp.beta2)
-        denom = torch._foreach_sqrt(exp_avg_sq)
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, hp.eps)
-        torch._foreach_addcdiv_(params, exp_avg, denom, value=-step_size)
+        if denom is None:
+            roots = list(torch._foreach_sqrt(exp_avg_sq))
+        else:
+            torch._foreach_copy_(denom, exp_avg_sq)
+            torch._foreach_sqrt_(denom)
+            roots = denom
+        torch._foreach_div_(roots, bias2_sqrt)
+        torch._foreach_add_(roots, hp.eps)
+        torch._foreach_addcdiv_(params, exp_avg, roots, value=-step_size)
+
+
+def _zero(grads: list[torch.Tensor]) -> None:
+    if grads:
+        torch._foreach_zero_(grads)
+
+
+def _grad_norm(present: list[torch.Tensor], sharded: torch.Tensor | None, tensors: list[SlotTensor]) -> float:
+    """``grad_norm`` over prepared views: fp64 accumulation without fp64 copies of the grads."""
+    device = tensors[0].param.device if tensors else torch.device("cpu")
+    total_sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    if present:
+        assert sharded is not None
+        squares = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float64)) ** 2
+        total_sharded = squares[sharded].sum()
+        replicated = squares[~sharded].sum()
+    tp_all_reduce_sum(total_sharded)
+    return float(torch.sqrt(total_sharded + replicated))
 
 
 def all_finite(values: list[torch.Tensor], tensors: list[SlotTensor]) -> bool:

@@ -1,0 +1,431 @@
+"""The static-cache sampling engine: the CUDA path of the sampler (bf16), also runnable on CPU.
+
+``StaticCacheEngine`` keeps ``HFEngine``'s public API, validation, scheduling loop and adapter
+registry, and replaces its forward passes:
+
+* **KV cache.**  One preallocated tensor per K and V, ``(layers, max_batch, kv_heads,
+  context_length, head_dim)``.  Running row ``i`` owns cache row ``i`` (rows stay compact: when
+  rows finish, later rows move down into the holes, copying only their filled columns).  The
+  padding rows of a bucketed step use free rows.  Without a configured ``context_length``
+  the cache has ``DEFAULT_CONTEXT`` columns per row.
+* **Forward.**  Written here over the Hugging Face modules' own weights (embedding, norms,
+  projections, MLP, lm_head; Qwen3's q/k norms when present), with attention against the static
+  cache: prefill writes a row's prompt keys/values at columns ``[0, n)`` and runs causal SDPA;
+  a decode step writes each row's pending token at its own position and attends over columns
+  ``[0, position]`` of its row (a length mask, so rows of different lengths share one step).
+* **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (one ``A``/``B`` pair per
+  target module for all slots); a row selects its slot by a mask, so a step over any mix of
+  adapters has fixed shapes.  A row waits for admission while every slot is held by other
+  running adapters.
+* **CUDA graphs.**  On CUDA each decode step replays a graph captured for its (batch bucket,
+  cache-length bucket): batch padded to a power of two up to ``max_batch_size``, attention
+  window to a power of two from 256 up to ``context_length``.  The host uploads three small
+  vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of tokens and
+  logprobs: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
+  use their own seeded ``torch.Generator`` on the device (``sampling.choose_token_tensor``).
+
+Numerics: the same function as ``HFEngine`` (temperature-1 ``log_softmax`` of fp32 logits);
+on CUDA the model runs in bf16 (logits cast to fp32 before the softmax).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.sampler.engine import HFEngine, _Row
+from services.sampler.interface import TopK
+from services.sampler.lora import LoadedAdapter, LoRAPool
+from services.sampler.sampling import Finish, choose_token_tensor, finish_reason, is_greedy
+
+DEFAULT_CONTEXT = 4096
+"""Cache columns per row when ``context_length`` is not configured (the model may allow far more)."""
+MIN_WINDOW = 256
+"""Smallest attention window (cache columns) a decode graph is captured for."""
+
+
+def _buckets(limit: int, first: int) -> list[int]:
+    out, size = [], first
+    while size < limit:
+        out.append(size)
+        size *= 2
+    return [*out, limit]
+
+
+def _bucket(value: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= value)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Graph:
+    """One captured decode step and its output tensors (valid until the next replay)."""
+
+    def __init__(self, graph: Any, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.graph = graph
+        self.outputs = outputs
+
+
+class StaticCacheEngine(HFEngine):
+    """``HFEngine`` with a static KV cache, pooled LoRA slots and CUDA-graph decode steps."""
+
+    def _load_model(self, model_dir: Path) -> PreTrainedModel:
+        self.device = torch.device(self.config.torch_device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        kwargs: dict[str, Any] = {"device_map": str(self.device)} if self.device.type == "cuda" else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=self.dtype, attn_implementation="sdpa", local_files_only=True, **kwargs
+        )
+        return cast(PreTrainedModel, cast(Any, model).to(self.device))
+
+    def _prepare(self) -> None:
+        cfg = self.model.config
+        decoder = self._decoder
+        self._layers = list(cast(Any, decoder).layers)
+        self._embed = cast(nn.Module, cast(Any, decoder).embed_tokens)
+        self._norm = cast(nn.Module, cast(Any, decoder).norm)
+        self._rotary = cast(nn.Module, cast(Any, decoder).rotary_emb)
+        attn = self._layers[0].self_attn
+        self._heads = int(cfg.num_attention_heads)
+        self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self._heads)
+        self._head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // self._heads))
+        self._scale = float(getattr(attn, "scaling", self._head_dim**-0.5))
+        self._qk_norm = hasattr(attn, "q_norm")
+        self._max_batch = self.config.max_batch_size
+        if self.config.context_length is None and self.info.context_length > DEFAULT_CONTEXT:
+            self.info = msgspec.structs.replace(self.info, context_length=DEFAULT_CONTEXT)
+        self.info = msgspec.structs.replace(
+            self.info, dtype=str(self.dtype).removeprefix("torch."), device=self.device.type
+        )
+        self._context = self.info.context_length
+        shape = (len(self._layers), self._max_batch, self._kv_heads, self._context, self._head_dim)
+        with torch.inference_mode():
+            self._k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self._v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self._pool = LoRAPool(
+                self._bases,
+                self.config.max_loaded_loras,
+                self.config.max_lora_rank,
+                self.device,
+                self.dtype,
+            )
+            self._routing.pool = self._pool
+            # Static inputs of a decode step (graph-captured): tokens, positions, LoRA slots.
+            self._inputs = torch.zeros(3, self._max_batch, dtype=torch.long, device=self.device)
+            self._host_inputs = torch.zeros(
+                3, self._max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda"
+            )
+            self._arange = torch.arange(self._max_batch, device=self.device)
+        self._batch_buckets = _buckets(self._max_batch, 1)
+        self._window_buckets = _buckets(self._context, min(MIN_WINDOW, self._context))
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graph_pool: Any = None
+        self.graphs_captured = 0
+        self._use_graphs = self.device.type == "cuda" and self.config.cuda_graphs
+        self._pos: list[int] = []  # per running row: position of its pending token
+        self._slot: list[int] = []  # per running row: LoRA pool slot (-1: base model)
+        self._pending: list[int] = []  # per running row: last sampled token, not yet in the cache
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _take_admissions(self) -> list[_Row]:
+        """Up to ``max_batch_size`` rows within ``prefill_tokens``, whose adapters fit the pool."""
+        admitted: list[_Row] = []
+        adapters = {id(r.adapter) for r in self._rows if r.adapter is not None}
+        width = 0
+        while self._waiting and len(self._rows) + len(admitted) < self.config.max_batch_size:
+            row = self._waiting[0]
+            if row.future.done():
+                self._waiting.popleft()
+                continue
+            need = adapters | ({id(row.adapter)} if row.adapter is not None else set())
+            longest = max(width, len(row.req.input_ids))
+            if len(need) > self._pool.slots:
+                break  # its adapter needs a slot that running rows hold: wait for them
+            if admitted and longest * (len(admitted) + 1) > self.config.prefill_tokens:
+                break
+            self._waiting.popleft()
+            admitted.append(row)
+            adapters, width = need, longest
+        return admitted
+
+    def _reset_batch(self) -> None:
+        super()._reset_batch()
+        self._pos, self._slot, self._pending = [], [], []
+
+    def _retain(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (increasing): each moves down to cache row ``j``."""
+        for j, src in enumerate(keep):
+            if src != j:
+                used = self._pos[src]  # columns [0, pos) hold the row's keys and values
+                self._k[:, j, :, :used].copy_(self._k[:, src, :, :used])
+                self._v[:, j, :, :used].copy_(self._v[:, src, :, :used])
+        self._rows = [self._rows[i] for i in keep]
+        self._pos = [self._pos[i] for i in keep]
+        self._slot = [self._slot[i] for i in keep]
+        self._pending = [self._pending[i] for i in keep]
+
+    def _drop_abandoned(self) -> None:
+        keep = [i for i, row in enumerate(self._rows) if not row.future.done()]
+        if len(keep) < len(self._rows):
+            self._retain(keep)
+
+    # ----------------------------------------------------------------- model pieces
+
+    def _attention_inputs(
+        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, D), k and v (B, KV, T, D) of ``layer`` for hidden states ``x`` (B, T, H)."""
+        attn = layer.self_attn
+        b, t, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, t, self._heads, self._head_dim)
+        k = attn.k_proj(h).view(b, t, self._kv_heads, self._head_dim)
+        v = attn.v_proj(h).view(b, t, self._kv_heads, self._head_dim).transpose(1, 2)
+        if self._qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        c, s = cos[:, None], sin[:, None]  # (B, 1, T, D)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def _finish_layer(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual adds around ``o`` (B, H, T, D), the attention output, and the MLP."""
+        b, _, t, _ = o.shape
+        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return cast(torch.Tensor, x + layer.mlp(layer.post_attention_layernorm(x)))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (B, V) of hidden states (B, 1, H), the routed LoRA mask set."""
+        return cast(torch.Tensor, self._lm_head(self._norm(hidden))[:, 0, :].float())
+
+    def _decode_forward(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
+        """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes)."""
+        tokens, positions, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
+        self._routing.pool_mask = self._pool.mask(slots)
+        try:
+            x = self._embed(tokens[:, None])  # (b, 1, H)
+            cos, sin = self._rotary(x, positions[:, None])
+            rows = self._arange[:b]
+            visible = torch.arange(window, device=self.device)[None, :] <= positions[:, None]  # (b, W)
+            bias = torch.zeros(b, 1, 1, window, device=self.device, dtype=torch.float32)
+            bias = bias.masked_fill(~visible[:, None, None, :], -math.inf)
+            g = self._heads // self._kv_heads
+            for i, layer in enumerate(self._layers):
+                q, k, v = self._attention_inputs(layer, x, cos, sin)
+                self._k[i][rows, :, positions] = k[:, :, 0, :]
+                self._v[i][rows, :, positions] = v[:, :, 0, :]
+                keys, values = self._k[i, :b, :, :window], self._v[i, :b, :, :window]  # (b, KV, W, D)
+                qg = q.reshape(b, self._kv_heads, g, self._head_dim)
+                scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self._scale + bias
+                probs = torch.softmax(scores, dim=-1).to(self.dtype)  # (b, KV, g, W)
+                o = torch.matmul(probs, values).reshape(b, self._heads, 1, self._head_dim)
+                x = self._finish_layer(layer, x, o)
+            logits = self._logits(x)
+        finally:
+            self._routing.pool_mask = None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        greedy = torch.argmax(logits, dim=-1)
+        return logits, logprobs, greedy
+
+    def _step_outputs(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
+        if not self._use_graphs:
+            return self._decode_forward(b, window)
+        key = (b, window)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(b, window)
+            self._graphs[key] = graph
+        graph.graph.replay()
+        return graph.outputs
+
+    def _capture(self, b: int, window: int) -> _Graph:
+        """Warm up on a side stream, then capture (both compute exactly this step's inputs)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_forward(b, window)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            outputs = self._decode_forward(b, window)
+        self.graphs_captured += 1
+        return _Graph(graph, outputs)
+
+    # ----------------------------------------------------------------- prefill and decode
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Prompts of ``rows`` into cache rows ``[n, n + k)``; sample each row's first token."""
+        self._counts["prefill_batches"] += 1
+        self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(rows))
+        start, k = len(self._rows), len(rows)
+        busy = {s for s in self._slot if s >= 0}
+        slots: list[int] = []
+        for row in rows:
+            slot = -1 if row.adapter is None else self._pool.acquire(cast(LoadedAdapter, row.adapter), busy)
+            if slot >= 0:
+                busy.add(slot)
+            slots.append(slot)
+            row.generator = torch.Generator(device=self.device)
+            if row.req.seed is not None:
+                row.generator.manual_seed(row.req.seed)
+            else:
+                row.generator.seed()
+        lengths = [len(row.req.input_ids) for row in rows]
+        width = max(lengths)
+        ids = torch.zeros(k, width, dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : lengths[j]] = torch.tensor(row.req.input_ids, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device)[None, :].expand(k, width)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        mask = self._pool.mask(slot_t)
+        self._routing.pool_mask = mask
+        try:
+            x = self._embed(ids)
+            cos, sin = self._rotary(x, positions)
+            g = self._heads // self._kv_heads
+            for i, layer in enumerate(self._layers):
+                q, kk, v = self._attention_inputs(layer, x, cos, sin)
+                self._k[i, start : start + k, :, :width] = kk
+                self._v[i, start : start + k, :, :width] = v
+                # Right padding: a real query never sees a padded key under the causal mask.
+                o = F.scaled_dot_product_attention(
+                    q,
+                    kk.repeat_interleave(g, dim=1),
+                    v.repeat_interleave(g, dim=1),
+                    is_causal=True,
+                    scale=self._scale,
+                )
+                x = self._finish_layer(layer, x, o)
+            last = x[torch.arange(k, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+            logits = self._logits(last[:, None, :])
+            for j, row in enumerate(rows):
+                if row.req.logprob_start_len is not None:
+                    self._routing.pool_mask = mask[j : j + 1]
+                    self._static_prompt_logprobs(row, x[j : j + 1, : lengths[j]])
+        finally:
+            self._routing.pool_mask = None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens, values, tops = self._choose(rows, logits, logprobs, torch.argmax(logits, dim=-1))
+        survivors: list[int] = []
+        for j, row in enumerate(rows):
+            if row.max_new_tokens == 0:
+                self._finish(row, Finish("length"))
+            elif not self._record(row, tokens[j], values[j], tops[j]):
+                survivors.append(j)
+        # Append every admitted row, then drop the finished ones (compacting the cache).
+        self._rows.extend(rows)
+        self._pos.extend(lengths)
+        self._slot.extend(slots)
+        self._pending.extend(tokens)
+        if start > 0 and survivors:
+            self._counts["prefill_joins"] += 1
+        keep = list(range(start)) + [start + j for j in survivors]
+        if len(keep) < len(self._rows):
+            self._retain(keep)
+
+    def _static_prompt_logprobs(self, row: _Row, hidden: torch.Tensor) -> None:
+        """Logprobs of ``input_ids[start + 1:]`` from the row's hidden states (1, n, H)."""
+        from services.sampler.engine import PROMPT_LOGPROB_CHUNK, _top
+
+        ids = row.req.input_ids
+        start = row.req.logprob_start_len or 0
+        values: list[float | None] = [None]
+        tops: list[TopK | None] = [None]
+        for lo in range(start, len(ids) - 1, PROMPT_LOGPROB_CHUNK):
+            hi = min(lo + PROMPT_LOGPROB_CHUNK, len(ids) - 1)
+            logits = self._lm_head(self._norm(hidden[:, lo:hi]))[0].float()  # (c, V)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
+            values.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+            if row.req.top_logprobs_num:
+                tops.extend(_top(logprobs, row.req.top_logprobs_num))
+        row.input_logprobs = values
+        row.input_top = tops if row.req.top_logprobs_num else []
+
+    def _decode_step(self) -> None:
+        n = len(self._rows)
+        self._counts["decode_steps"] += 1
+        self._counts["max_decode_batch"] = max(self._counts["max_decode_batch"], n)
+        b = _bucket(n, self._batch_buckets)
+        window = _bucket(max(self._pos) + 1, self._window_buckets)
+        host = self._host_inputs
+        host[:, n:b] = 0
+        host[2, n:b] = -1
+        host[0, :n] = torch.tensor(self._pending, dtype=torch.long)
+        host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
+        host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
+        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        logits, logprobs, greedy = self._step_outputs(b, window)
+        tokens, values, tops = self._choose(self._rows, logits[:n], logprobs[:n], greedy[:n])
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            self._pos[i] += 1
+            self._pending[i] = tokens[i]
+            if not self._record(row, tokens[i], values[i], tops[i]):
+                keep.append(i)
+        if len(keep) < n:
+            self._retain(keep)
+
+    def _choose(
+        self, rows: list[_Row], logits: torch.Tensor, logprobs: torch.Tensor, greedy: torch.Tensor
+    ) -> tuple[list[int], list[float], list[list[TopK]]]:
+        """Next token, its logprob and top logprobs of every row, with one host sync (two with tops)."""
+        chosen = greedy.clone()
+        for i, row in enumerate(rows):
+            req = row.req
+            if not is_greedy(req.temperature, req.top_k):
+                chosen[i] = choose_token_tensor(
+                    logits[i],
+                    temperature=req.temperature,
+                    top_k=req.top_k,
+                    top_p=req.top_p,
+                    min_p=req.min_p,
+                    generator=row.generator,
+                )
+        picked = logprobs.gather(1, chosen[:, None])[:, 0]
+        host = torch.stack([chosen.double(), picked.double()]).cpu()
+        tokens = [int(t) for t in host[0].tolist()]
+        values = host[1].tolist()
+        tops: list[list[TopK]] = [[] for _ in rows]
+        wanted = [i for i, row in enumerate(rows) if row.req.top_logprobs_num]
+        if wanted:
+            k = max(rows[i].req.top_logprobs_num for i in wanted)
+            top_v, top_i = torch.topk(logprobs[wanted], k, dim=-1)
+            for i, v, t in zip(wanted, top_v.tolist(), top_i.tolist(), strict=True):
+                n = rows[i].req.top_logprobs_num
+                tops[i] = [list(zip(v[:n], t[:n], strict=True))]
+        return tokens, values, tops
+
+    def _record(self, row: _Row, token: int, logprob: float, top: list[TopK]) -> bool:
+        """Append one sampled token to ``row``; finish it if a stop condition holds. True when finished."""
+        req = row.req
+        row.output_ids.append(token)
+        row.output_logprobs.append(logprob)
+        row.output_top.extend(top)
+        self._counts["generated_tokens"] += 1
+        finish = finish_reason(
+            row.output_ids,
+            max_new_tokens=row.max_new_tokens,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=row.stop_ids,
+            stop_strs=req.stop_strs,
+            decode=self._decode,
+        )
+        if finish is None:
+            return False
+        self._finish(row, finish)
+        return True
