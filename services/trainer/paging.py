@@ -112,7 +112,7 @@ class PageStore:
 
     @property
     def models(self) -> list[str]:
-        return sorted([*self._host, *self._files])
+        return sorted({*self._host, *self._files})
 
     @property
     def host_bytes(self) -> int:
@@ -150,9 +150,19 @@ class PageStore:
         """The paged state, when it is in host memory."""
         return self._host.get(model_id)
 
+    def durable(self, model_id: str) -> Path:
+        """The paged state as a file, written now if it was only in host memory (which keeps its
+        copy): a snapshot links it instead of writing it again, so each page-out is written to
+        disk at most once however many snapshots follow."""
+        path = self._files.get(model_id)
+        if path is None:
+            path = self.root / f"{token(model_id)}.safetensors"
+            _write(path, encode(self._host[model_id]))
+            self._files[model_id] = path
+        return path
+
     def adopt(self, model_id: str, path: Path) -> None:
         """Know a paged state by its file (restored from a snapshot, or re-linked by one)."""
-        self._host.pop(model_id, None)
         old = self._files.get(model_id)
         self._files[model_id] = path
         if old is not None and old != path and old.parent == self.root:
@@ -162,15 +172,13 @@ class PageStore:
         """Write the oldest host states to disk until host memory is within budget."""
         spilled: set[str] = set()
         while self._host and self.host_bytes > self.host_budget_bytes:
-            model_id, paged = next(iter(self._host.items()))
-            path = self.root / f"{token(model_id)}.safetensors"
+            model_id = next(iter(self._host))
             try:
-                _write(path, encode(paged))
+                self.durable(model_id)
             except OSError as exc:  # a full disk: keep it in memory, over budget
                 log.warning("could not spill paged model %s to disk (%s); it stays in memory", model_id, exc)
                 break
             del self._host[model_id]
-            self._files[model_id] = path
             spilled.add(model_id)
         return spilled
 

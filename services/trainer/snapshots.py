@@ -10,8 +10,9 @@ bit. Snapshots are written atomically; the last two are kept.
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slot-<n>.safetensors
     DATA/trainer/<group>/snapshots/<work_seq:012d>/paged-<model token>.safetensors
 
-A paged state already on disk is hard-linked into the snapshot, not copied, and the page store
-then reads it from there (the spill file goes).
+A paged state is written to disk once (the page store's file, `PageStore.durable`) and then
+hard-linked into every snapshot that holds it; the page store reads it from the newest snapshot's
+link from then on (the older link goes with its snapshot).
 
 A snapshot records the training-state format of its adapters (``state_format.FORMAT_VERSION``);
 one of another format is refused on restore (a ``msgspec.ValidationError``: recovery then
@@ -63,20 +64,13 @@ def take(
     links: dict[str, Path] = {}
     for slot, model_id in sorted(slot_models.items()):
         files[f"slot-{slot}.safetensors"] = paging.encode(paging.capture(engine, slot, model_id))
-    for model_id in store.models:
-        held = store.state_of(model_id)
-        if held is not None:
-            files[_paged_file(model_id)] = paging.encode(held)
-        else:
-            path = store.file_of(model_id)
-            assert path is not None
-            links[_paged_file(model_id)] = path
+    for model_id in store.models:  # written to disk once per page-out, then only linked
+        links[_paged_file(model_id)] = store.durable(model_id)
     index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models, FORMAT_VERSION)
     files[INDEX] = msgspec.json.encode(index)
     directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files, links=links)
     for model_id in index.paged:
-        if store.file_of(model_id) is not None:
-            store.adopt(model_id, directory / _paged_file(model_id))  # the old link may be collected
+        store.adopt(model_id, directory / _paged_file(model_id))  # the old link may be collected
     for old in sorted(p for p in root(data_dir, group).iterdir() if p.is_dir() and not p.name.startswith("."))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return directory
