@@ -225,6 +225,52 @@ async def ensure_durable(bus: Bus, stream: str, config: ConsumerConfig) -> None:
     await bus.js.add_consumer(stream, rewound)
 
 
+KV_SCAN_IDLE_S = 5.0  # a scan waits this long for its next message before re-checking the stream
+
+
+async def kv_scan(bus: Bus, bucket: str) -> dict[str, bytes]:
+    """Every live key of a KV bucket and its value, in one pass over the bucket's stream (the last
+    message of each key, until the consumer reports nothing pending).
+
+    Not nats-py's `keys()` / `watchall()`: their "initial values done" marker can come before the
+    first value when the client is slow to run its callbacks, and a scan then saw an empty bucket.
+    """
+    js = bus.js
+    stream = f"KV_{bucket}"
+    if (await js.stream_info(stream)).state.messages == 0:
+        return {}
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await js.subscribe(
+        f"$KV.{bucket}.>",
+        stream=stream,
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        cb=queue.put,
+    )
+    found: dict[str, bytes] = {}
+    prefix = f"$KV.{bucket}."
+    try:
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), KV_SCAN_IDLE_S)
+            except TimeoutError:
+                if (await js.stream_info(stream)).state.messages == 0:
+                    break  # purged meanwhile: nothing left to read
+                continue
+            key = msg.subject[len(prefix) :]
+            headers = msg.headers or {}
+            removed = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
+            if removed or not msg.data:
+                found.pop(key, None)
+            else:
+                found[key] = msg.data
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
 async def ack_floor(bus: Bus, stream: str, durable: str) -> int:
     """The stream sequence up to which `durable` has acknowledged everything (0 if new)."""
     info = await bus.js.consumer_info(stream, durable)

@@ -12,7 +12,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
-from infra.bus import Bus
+from infra.bus import Bus, kv_scan
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.events import describe
@@ -57,20 +57,7 @@ async def watch_events(nats_url: str, replay: bool = False, subject: str = s.EVE
 
 
 async def _records(bus: Bus, bucket: str, type_: type[T]) -> list[T]:
-    kv = await bus.kv(bucket)
-    out: list[T] = []
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return out
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if entry.value:
-            out.append(codec.from_json(entry.value, type_))
-    return out
+    return [codec.from_json(value, type_) for value in (await kv_scan(bus, bucket)).values()]
 
 
 class Status(msgspec.Struct):

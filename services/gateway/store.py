@@ -6,23 +6,18 @@ replicas agree on identities without a lock.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import msgspec
 import nats.js.errors
-from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
 
-from infra.bus import Bus
+from infra.bus import Bus, kv_scan
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from services.gateway.errors import NotFound
 
 T = TypeVar("T")
-
-SCAN_IDLE_S = 5.0  # a scan waits this long for its next message before re-checking the stream
 
 
 class HasTenant(Protocol):
@@ -83,52 +78,12 @@ class Store:
             pass
 
     async def keys(self, bucket: str) -> list[str]:
-        kv = await self._bus.kv(bucket)
-        try:
-            return list(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+        return list(await kv_scan(self._bus, bucket))
 
     async def scan(self, bucket: str, type_: type[T], prefix: str = "") -> list[tuple[str, T]]:
-        """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass.
-
-        Reads the bucket's stream directly (the last message of every key, in order, until the
-        consumer reports nothing pending). Not nats-py's `watchall()`/`keys()`: their "initial
-        values done" marker can come before the first value when the client is slow to run its
-        callbacks, and a scan then returned nothing."""
-        js = self._bus.js
-        stream = f"KV_{bucket}"
-        if (await js.stream_info(stream)).state.messages == 0:
-            return []
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-        sub = await js.subscribe(
-            f"$KV.{bucket}.>",
-            stream=stream,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            cb=queue.put,
-        )
-        found: dict[str, T] = {}
-        try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), SCAN_IDLE_S)
-                except TimeoutError:
-                    if (await js.stream_info(stream)).state.messages == 0:
-                        break  # purged meanwhile: nothing left to read
-                    continue
-                key = msg.subject[len(f"$KV.{bucket}.") :]
-                headers = msg.headers or {}
-                removed = headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers
-                if removed or not msg.data:
-                    found.pop(key, None)
-                elif key.startswith(prefix):
-                    found[key] = codec.from_json(msg.data, type_)
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return list(found.items())
+        """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass."""
+        entries = await kv_scan(self._bus, bucket)
+        return [(key, codec.from_json(value, type_)) for key, value in entries.items() if key.startswith(prefix)]
 
     async def update(
         self, bucket: str, key: str, type_: type[S], change: Callable[[S], S | None]

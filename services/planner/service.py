@@ -17,10 +17,10 @@ import logging
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from infra import tracing
-from infra.bus import Bus, ensure_durable, fetch_loop, last_seq, replay
+from infra.bus import Bus, ensure_durable, fetch_loop, kv_scan, last_seq, replay
 from infra.streams import ensure_streams, planner_durables
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
@@ -205,11 +205,7 @@ class PlannerService:
                 self._summaries[stream.model_id] = record
 
     async def _queue_keys(self) -> list[str]:
-        kv = await self.bus.kv(s.KV_QUEUE)
-        try:
-            return list(await kv.keys())
-        except NoKeysError:
-            return []
+        return list(await kv_scan(self.bus, s.KV_QUEUE))
 
     async def _publish_queue_state(self) -> None:
         """Mark requests that wait for an adapter slot, so try_again says paused_capacity."""
@@ -330,16 +326,12 @@ class PlannerService:
     async def _learn_slots(self, stop: asyncio.Event) -> None:
         """Take the slot count from the group's trainer itself (its heartbeat in `tinker_trainers`),
         so a planner configured with another number never assigns a slot the trainer lacks."""
-        kv = await self.bus.kv(s.KV_TRAINERS)
         while not stop.is_set():  # quickly until the first report, then every 5 s
             reported = set()
-            with contextlib.suppress(NoKeysError):
-                for key in await kv.keys():
-                    with contextlib.suppress(KeyNotFoundError):
-                        entry = await kv.get(key)
-                        status = codec.from_json(entry.value or b"{}", TrainerStatus)
-                        if status.group == self.config.trainer_group and status.ready:
-                            reported.add(status.num_slots)
+            for value in (await kv_scan(self.bus, s.KV_TRAINERS)).values():
+                status = codec.from_json(value, TrainerStatus)
+                if status.group == self.config.trainer_group and status.ready:
+                    reported.add(status.num_slots)
             if reported:
                 await self._adopt_slots(min(reported))
             with contextlib.suppress(TimeoutError):

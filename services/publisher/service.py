@@ -23,7 +23,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 
 from infra import tracing
-from infra.bus import Bus, ensure_durable, fetch_loop, has_message
+from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import layout
 from libs.contracts import codec
@@ -227,19 +227,10 @@ class PublisherService:
 
 
 async def reap_expired(bus: Bus, data_dir: Path, now: int) -> int:
-    import nats.js.errors
-
     kv = await bus.kv(s.KV_CHECKPOINTS)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return 0
     removed = 0
-    for key in keys:
-        entry = await kv.get(key)
-        if not entry.value:
-            continue
-        record = codec.from_json(entry.value, CheckpointRecord)
+    for key, value in (await kv_scan(bus, s.KV_CHECKPOINTS)).items():
+        record = codec.from_json(value, CheckpointRecord)
         if record.expires_ns is not None and record.expires_ns <= now:
             await delete_checkpoint_files(data_dir, record)
             await kv.delete(key)
