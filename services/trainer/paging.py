@@ -143,7 +143,7 @@ class PageStore:
             path.unlink(missing_ok=True)  # a snapshot's own link to it stays
 
     def file_of(self, model_id: str) -> Path | None:
-        """The file a paged state lives in, when it is not in host memory."""
+        """The file a paged state lives in (it may also be in host memory), if it has one."""
         return self._files.get(model_id)
 
     def state_of(self, model_id: str) -> PagedState | None:
@@ -171,14 +171,15 @@ class PageStore:
     def _spill(self) -> set[str]:
         """Write the oldest host states to disk until host memory is within budget."""
         spilled: set[str] = set()
-        while self._host and self.host_bytes > self.host_budget_bytes:
+        held = self.host_bytes
+        while self._host and held > self.host_budget_bytes:
             model_id = next(iter(self._host))
             try:
                 self.durable(model_id)
             except OSError as exc:  # a full disk: keep it in memory, over budget
                 log.warning("could not spill paged model %s to disk (%s); it stays in memory", model_id, exc)
                 break
-            del self._host[model_id]
+            held -= self._host.pop(model_id).nbytes
             spilled.add(model_id)
         return spilled
 
