@@ -136,10 +136,11 @@ def train(client: tinker.ServiceClient, seed: int) -> list[bytes]:
     return seen
 
 
-def test_more_live_tenants_than_slots_all_finish_and_match_training_alone(stack: Stack) -> None:
-    """Three tenants train at once on two slots, so models are paged out mid-training (pending
-    gradients and all) and back in: all finish, and each one's every logprob and loss, and the
-    final model's, are bit-identical (CPU fp32) to the same seeded training run alone."""
+def test_more_live_tenants_than_slots_all_finish_and_one_matches_training_alone(stack: Stack) -> None:
+    """Three tenants train at once on two slots, so models are paged out between their calls and
+    back in (at least one page-in happens): all finish, and the first tenant's every logprob and
+    loss, and its final model's, are bit-identical (CPU fp32) to the same seeded training run
+    alone on the same stack afterwards."""
     results: dict[int, list[bytes]] = {}
     errors: list[BaseException] = []
 

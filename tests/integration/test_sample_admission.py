@@ -85,7 +85,8 @@ def test_a_failed_enqueue_gives_its_permits_back_and_the_retry_samples(tmp_path)
 def test_a_cancelled_sample_stops_generating_frees_its_permits_and_answers_cancelled(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A long greedy sample is cancelled mid-generation (cancel_future, as the SDK sends it for an
     abandoned future): its future answers a `user` failure saying so, the engine's batch empties
-    well before the requested tokens were generated, and no sampling permit stays held."""
+    well before the requested tokens were generated, and no sampling permit stays held. Cancelling
+    it again is a no-op, another tenant's cancel is a 404, and retrieve_futures is a 400."""
     stack = Stack(tmp_path, services=("gateway", "sampler")).start()
     try:
         http = httpx.Client(base_url=stack.base_url, headers={"X-API-Key": "tml-cancel"}, timeout=60)
