@@ -143,13 +143,15 @@ def test_usage_equals_the_billing_endpoint(stack: Stack, trained: Trained) -> No
 
 def test_another_tenant_sees_none_of_it(stack: Stack, trained: Trained) -> None:
     """Tenant B's overview holds none of tenant A's sessions, models, losses, checkpoints,
-    samplers, usage or queue entries."""
+    samplers, usage or queue entries, and A's checkpoint download link answers B 404."""
     view = ok(get(stack, "/api/v1/console/overview", key=OTHER))
     assert view["tenant"] == tenant_id(OTHER)
     assert view["models"] == [] and view["loss"] == {} and view["checkpoints"] == []
     assert view["samplers"] == [] and view["usage"] == [] and view["waiting"] == []
     assert trained.session_id not in {s["session_id"] for s in view["sessions"]}
     assert trained.model_id not in json.dumps(view)
+    archive = ok(get(stack, "/api/v1/console/overview"))["checkpoints"][0]["archive"]
+    assert get(stack, archive, key=OTHER).status_code == 404  # the download link is no way in either
 
 
 def test_another_tenants_live_stream_carries_none_of_its_events(stack: Stack, trained: Trained) -> None:
