@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 from litestar import Request, get
 from litestar.response import Response, ServerSentEvent
@@ -312,8 +313,8 @@ async def _live(
             if with_loss and isinstance(event, RequestCompleted) and event.kind == "forward_backward":
                 view["loss"] = loss_of(await gateway.board.wait(event.request_id, LOSS_WAIT_S))
             yield ServerSentEventMessage(event="event", data=msgspec.json.encode(view).decode(), id=str(view["seq"]))
-    finally:
-        with contextlib.suppress(Exception):
+    finally:  # the client went away: Litestar cancelled the stream, so shield the cleanup
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await sub.unsubscribe()
 
 
