@@ -262,6 +262,7 @@ async def console_overview(gateway: Gateway, tenant: Tenant) -> dict[str, Any]:
             "sampler_id": r.sampler_id,
             "session_id": r.session_id,
             "model_path": r.model_path,
+            "adapter_name": r.adapter_name,  # an ephemeral sampler's export has a name but no path
             "created_ns": r.created_ns,
             **sampling.get(r.sampler_id, {"samples": 0, "prompt_tokens": 0, "sampled_tokens": 0, "last_ns": 0}),
         }
