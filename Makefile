@@ -6,9 +6,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
 
-.PHONY: install run test lint typecheck pytest sdk024 clean
+.PHONY: install browser run test lint typecheck pytest sdk024 clean
 
-install: $(VENV)/.installed
+install: browser $(VENV)/.installed
+
+# Chromium and its driver from the OS packages, for the console's browser tests (tests/e2e/test_console.py).
+# As root on Debian/Ubuntu they are installed when missing; elsewhere those tests skip, with a note here.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "note: chromium/chromedriver missing (install them as root); the console's browser tests will skip"; fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

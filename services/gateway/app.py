@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from litestar import Litestar, Router
 from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
 
 from services.gateway import guards
 from services.gateway.config import GatewayConfig
@@ -13,6 +14,7 @@ from services.gateway.routes import (
     admin,
     bootstrap,
     catalog,
+    console,
     futures,
     operator,
     sampling,
@@ -27,9 +29,9 @@ TENANT_ROUTES = [
     handler
     for module in (bootstrap, training, weights, futures, sampling, catalog, sessions, admin, unsupported)
     for handler in module.ROUTES
-]
-OPERATOR_ROUTES = operator.ROUTES
-PUBLIC_ROUTES = [*bootstrap.PUBLIC_ROUTES, *catalog.PUBLIC_ROUTES]
+] + console.TENANT_ROUTES
+OPERATOR_ROUTES = [*operator.ROUTES, *console.OPERATOR_ROUTES]
+PUBLIC_ROUTES = [*bootstrap.PUBLIC_ROUTES, *catalog.PUBLIC_ROUTES, *console.PUBLIC_ROUTES]
 ALL_ROUTES = [*TENANT_ROUTES, *OPERATOR_ROUTES, *PUBLIC_ROUTES]
 
 
@@ -45,6 +47,7 @@ def create_app(config: GatewayConfig) -> Litestar:
         lifespan=[lifespan(config)],
         middleware=[trace_requests],
         request_max_body_size=64 * 1024 * 1024,
-        openapi_config=None,
+        # the schema of every route at GET /schema/openapi.json (public, like the health probes)
+        openapi_config=OpenAPIConfig(title="Tinkerd", version="1", path="/schema"),
         debug=False,
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from libs.contracts.events import (
     Audited,
@@ -53,12 +53,18 @@ Key = tuple[int, str, str | None, bool]  # (hour start ns, usage type, session, 
 
 
 def fold_usage(
-    events: Iterable[OperationEvent], tenant: str, start_ns: int, end_ns: int
+    events: Iterable[OperationEvent],
+    tenant: str,
+    start_ns: int,
+    end_ns: int,
+    group: Callable[[str], str | None] = session_of,
 ) -> dict[Key, int]:
     """Quantities per (hour, usage type, session, cached) of `tenant` in [start_ns, end_ns).
 
     Each request counts once (a redelivered sample that ran twice reports twice); training
-    tokens count at acceptance, and a request that then failed is taken out again.
+    tokens count at acceptance, and a request that then failed is taken out again. `group` maps
+    an entity id (training run or sampler) to the key's third part: its session by default, the
+    entity itself for the console's per-model view.
     """
     training: dict[str, tuple[int, str | None, int]] = {}  # request id -> (at, session, tokens)
     failed: set[str] = set()
@@ -73,20 +79,20 @@ def fold_usage(
         if event.tenant != tenant:
             continue
         if isinstance(event, RequestAccepted) and event.kind in TRAINING_KINDS:
-            training.setdefault(event.request_id, (event.at_ns, session_of(event.model_id), event.num_tokens))
+            training.setdefault(event.request_id, (event.at_ns, group(event.model_id), event.num_tokens))
         elif isinstance(event, RequestFailed):
             failed.add(event.request_id)
         elif isinstance(event, RequestCompleted) and event.kind == "sample":
             if event.request_id in sampled:
                 continue
             sampled.add(event.request_id)
-            session = session_of(event.model_id)
+            session = group(event.model_id)
             cached = min(event.cached_tokens, event.prompt_tokens)
             add(event.at_ns, "sampling_prefill", session, event.prompt_tokens - cached)
             add(event.at_ns, "sampling_prefill", session, cached, cached=True)
             add(event.at_ns, "sampling_sample", session, event.sampled_tokens)
         elif isinstance(event, CheckpointPublished) and event.tinker_path.startswith("tinker://"):
-            add(event.at_ns, "checkpoint", session_of(event.model_id), 1)
+            add(event.at_ns, "checkpoint", group(event.model_id), 1)
     for request_id, (ns, session, tokens) in training.items():
         if request_id not in failed:
             add(ns, "training", session, tokens)

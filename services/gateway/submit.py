@@ -256,7 +256,8 @@ async def append(
             model_id=model_id,
             request_id=request_id,
             seq_id=seq_id,
-            at_ns=now_ns(),
+            at_ns=existing.accepted_ns,  # the claim's time, which the command carries: before it is planned
+            traceparent=traceparent,  # the console finds a request's path by its trace id
         ),
     )
     return request_id

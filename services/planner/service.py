@@ -263,7 +263,7 @@ class PlannerService:
                 requests=requests,
                 num_tokens=tokens,
                 model_id=models[0] if len(models) == 1 else "",
-                at_ns=now_ns(),
+                at_ns=unit.at_ns,  # stamped before the publish: a trainer may start it before this is emitted
             )
         )
 
