@@ -525,9 +525,8 @@ class Bench:
             pool.routing.configs[s] = LoraConfig(rank=LORA_RANK, seed=s)
         hp = AdamParams(learning_rate=1e-5)
 
-        def step(count: int) -> None:
-            for s in range(count):
-                optimizer.step(s, pool.slot_tensors(s), hp)
+        def step(count: int) -> None:  # one call for all slots, as TrainerEngine.optim_step makes
+            optimizer.step_many([(s, pool.slot_tensors(s), hp) for s in range(count)])
 
         step(slots)  # allocates the moments
         self.sync()

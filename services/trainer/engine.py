@@ -185,11 +185,12 @@ class TrainerEngine:
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
-        reports: dict[int, StepReport] = {}
         for slot in sorted(params):
             self._require_slot(slot)
-            reports[slot] = self.optimizer.step(slot, self.pool.slot_tensors(slot), params[slot])
-            self._pending.discard(slot)
+        reports = self.optimizer.step_many(
+            [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
+        )
+        self._pending.difference_update(params)
         return reports
 
     def discard_grads(self, slot: int) -> None:

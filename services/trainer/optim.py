@@ -15,6 +15,16 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
     learning rate or weight decay): put p, m, v and step back as they were, zero the grads,
     report applied=False
 
+Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
+``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
+the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
+hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. The finiteness
+check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
+``_foreach_norm``) and its clipped gradient norm, a bound in float64 shows that the step cannot
+leave a non-finite value (``_fused_step_is_safe``); only a slot for which the bound fails (extreme
+learning rates, eps = 0, gradients near float32's range) takes the checked path above, with its
+rollback copy.
+
 Invariant: a step touches only the requested slot's parameter rows, moments and counter,
 and always leaves that slot's gradients zero; a slot's parameters and moments are always
 finite after it; every TP rank takes the same decisions because the norm and the finiteness
@@ -62,6 +72,7 @@ class _SlotViews:
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     sharded: torch.Tensor | None  # (len(present grads),) bool: TP-sharded, else replicated
+    dense: bool  # every value, gradient and moment view is contiguous (what the fused kernel takes)
     scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
     scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
 
@@ -69,7 +80,11 @@ class _SlotViews:
 class SlotAdamW:
     """AdamW moments and step counters for every slot, keyed by tensor name then slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool | None = None) -> None:
+        """``fused``: use ``torch._fused_adamw_`` where the step is provably finite; ``None``
+        means on CUDA tensors only (the CPU default stays bit-equal to torch.optim.AdamW's
+        default single-tensor path)."""
+        self.fused = fused
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         self.steps: dict[int, int] = {}
@@ -106,14 +121,20 @@ class SlotAdamW:
             if present
             else None
         )
+        values = [t.value() for t in tensors]
+        present_grads = [g for g in grads if g is not None]
         views = _SlotViews(
             key=[(t.name, t.index) for t in tensors],
             grad_sources=[t.param.grad for t in tensors],
-            values=[t.value() for t in tensors],
+            values=values,
             grads=grads,
             exp_avg=[m for m, _ in moments],
             exp_avg_sq=[v for _, v in moments],
             sharded=sharded,
+            dense=all(
+                t.is_contiguous()
+                for t in [*values, *present_grads, *(m for m, _ in moments), *(v for _, v in moments)]
+            ),
         )
         self._cached[slot] = views
         return views
@@ -148,15 +169,88 @@ class SlotAdamW:
 
     def step(self, slot: int, tensors: list[SlotTensor], hp: AdamParams) -> StepReport:
         """Apply one AdamW step to ``slot`` (``tensors`` = its adapter tensors), then zero grads."""
-        views = self._views(slot, tensors)
-        present = [g for g in views.grads if g is not None]
-        norm = _grad_norm(present, views.sharded, tensors)
-        if not math.isfinite(norm):
-            _zero(present)
-            return StepReport(False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})")
-        if hp.grad_clip_norm > 0 and present:
-            coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
-            torch._foreach_mul_(present, coef)
+        return self.step_many([(slot, tensors, hp)])[slot]
+
+    def step_many(self, requests: list[tuple[int, list[SlotTensor], AdamParams]]) -> dict[int, StepReport]:
+        """One AdamW step for each ``(slot, tensors, hp)`` (distinct slots), then zero their grads.
+
+        Each slot's result is the one ``step`` alone would give it; the slots share the norm
+        kernels, one host sync and, where their hyper-parameters and step counts agree, one
+        fused update."""
+        if not requests:
+            return {}
+        views = [self._views(slot, tensors) for slot, tensors, _ in requests]
+        presents = [[g for g in v.grads if g is not None] for v in views]
+        device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
+        fused = [
+            (self.fused if self.fused is not None else device.type == "cuda") and v.dense and bool(v.values)
+            for v in views
+        ]
+        norms, peaks = _norms_and_peaks(views, presents, fused, device)
+        reports: dict[int, StepReport] = {}
+        groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
+        for i, ((slot, tensors, hp), v, present) in enumerate(zip(requests, views, presents, strict=True)):
+            norm = norms[i]
+            if not math.isfinite(norm):
+                _zero(present)
+                reports[slot] = StepReport(
+                    False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})"
+                )
+                continue
+            coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
+            if coef != 1.0 and present:  # a product by 1.0 is exact: skipping it changes no bit
+                torch._foreach_mul_(present, coef)
+            step = self.steps.get(slot, 0) + 1
+            if fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i]):
+                self.steps[slot] = step
+                key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step)
+                groups.setdefault(key, []).append(i)
+                reports[slot] = StepReport(True, norm, step)
+            else:
+                reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
+        for (lr, beta1, beta2, eps, wd, step), members in groups.items():
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avg: list[torch.Tensor] = []
+            exp_avg_sq: list[torch.Tensor] = []
+            for i in members:
+                v = views[i]
+                params += v.values
+                grads += [
+                    torch.zeros_like(p) if g is None else g for p, g in zip(v.values, v.grads, strict=True)
+                ]
+                exp_avg += v.exp_avg
+                exp_avg_sq += v.exp_avg_sq
+            counter = torch.full((), float(step), dtype=torch.float32, device=device)
+            with torch.no_grad():
+                torch._fused_adamw_(
+                    params,
+                    grads,
+                    exp_avg,
+                    exp_avg_sq,
+                    [],
+                    [counter] * len(params),  # read, not written: one shared counter is enough
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=wd,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+        _zero([g for i in (m for ms in groups.values() for m in ms) for g in presents[i]])
+        return reports
+
+    def _checked_step(
+        self,
+        slot: int,
+        tensors: list[SlotTensor],
+        views: _SlotViews,
+        present: list[torch.Tensor],
+        norm: float,
+        hp: AdamParams,
+    ) -> StepReport:
+        """The step with a rollback copy and a finiteness check after it (grads already clipped)."""
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
         params = views.values
@@ -229,6 +323,85 @@ class SlotAdamW:
         torch._foreach_div_(roots, bias2_sqrt)
         torch._foreach_add_(roots, hp.eps)
         torch._foreach_addcdiv_(params, exp_avg, roots, value=-step_size)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _fused_step_is_safe(
+    hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
+) -> bool:
+    """True when an AdamW step cannot leave a non-finite value, from the slot's largest |p|, |m|, v
+    and its (clipped) gradient norm, which bounds every |g|. In exact arithmetic |m'| <= max(|m|, |g|)
+    (a convex combination), v' <= max(v, g^2), the denominator sqrt(v')/c2 + eps >= eps, so
+    |p'| <= |p| |1 - lr wd| + lr/c1 * |m'| / eps; each bound is checked with a factor of 4 below
+    float32's largest value, far more than the few roundings of the kernel can add."""
+    if not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1 and math.isfinite(hp.learning_rate)):
+        return False
+    g = grad_norm * (1 + 1e-6)
+    m_new = max(m_max, g)
+    v_new = max(v_max, g * g)
+    c1 = 1 - hp.beta1**step
+    c2 = math.sqrt(1 - hp.beta2**step)
+    if c1 <= 0 or c2 <= 0:
+        return False
+    step_size = abs(hp.learning_rate) / c1
+    bounds = (
+        g * g,
+        m_new,
+        v_new,
+        math.sqrt(v_new) / c2 + hp.eps,
+        p_max * abs(1 - hp.learning_rate * hp.weight_decay) + step_size * m_new / hp.eps,
+    )
+    return all(math.isfinite(b) and b < _F32_MAX / 4 for b in bounds)
+
+
+def _norms_and_peaks(
+    views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
+) -> tuple[list[float], list[tuple[float, float, float]]]:
+    """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel and sums) and, for the
+    slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
+    maxima: an upper bound, equal on every rank) and read back with one host sync."""
+    all_grads = [g for present in presents for g in present]
+    squares = torch.stack(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sharded_sums, replicated_sums = [], []
+    offset = 0
+    for v, present in zip(views, presents, strict=True):
+        if present:
+            assert squares is not None and v.sharded is not None
+            part = squares[offset : offset + len(present)]
+            sharded_sums.append(part[v.sharded].sum())
+            replicated_sums.append(part[~v.sharded].sum())
+            offset += len(present)
+        else:
+            sharded_sums.append(zero)
+            replicated_sums.append(zero)
+    columns = [torch.stack(sharded_sums)]
+    state = [
+        t for v, f in zip(views, fused, strict=True) if f for t in (*v.values, *v.exp_avg, *v.exp_avg_sq)
+    ]
+    if state:
+        peaks_all = torch.stack(torch._foreach_norm(state, float("inf"))).to(torch.float64)
+        peaks, offset = [], 0
+        for v, f in zip(views, fused, strict=True):
+            n = len(v.values)
+            if f:
+                block = peaks_all[offset : offset + 3 * n].view(3, n)
+                peaks.append(block.amax(dim=1))
+                offset += 3 * n
+            else:
+                peaks.append(torch.zeros(3, dtype=torch.float64, device=device))
+        columns.append(torch.stack(peaks).T)
+    reduced = torch.cat([c.reshape(-1, len(views)) for c in columns])
+    tp_all_reduce_sum(reduced)
+    norms_t = torch.sqrt(reduced[0] + torch.stack(replicated_sums))
+    values = torch.cat([norms_t, reduced[1:].reshape(-1)]).tolist()
+    n = len(views)
+    norms = values[:n]
+    rest = values[n:]
+    out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]
+    return norms, out_peaks
 
 
 def _zero(grads: list[torch.Tensor]) -> None:
