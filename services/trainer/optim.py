@@ -20,10 +20,14 @@ Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm 
 the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
 hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. The finiteness
 check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
-``_foreach_norm``) and its clipped gradient norm, a bound in float64 shows that the step cannot
-leave a non-finite value (``_fused_step_is_safe``); only a slot for which the bound fails (extreme
-learning rates, eps = 0, gradients near float32's range) takes the checked path above, with its
-rollback copy.
+``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
+the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
+in float64 shows that the step cannot leave a non-finite value (``_fused_step_is_safe``); only a
+slot for which the bound fails (extreme learning rates, eps = 0, gradients near float32's range)
+takes the checked path above, with its rollback copy. The carried bounds hold because nothing but
+``step_many`` changes a slot's values and moments between two calls of ``reset_slot`` (which every
+load of a slot, ``init_slot``, ``set_slot_state`` and ``release_slot``, makes first); a checked
+step forgets them.
 
 Invariant: a step touches only the requested slot's parameter rows, moments and counter,
 and always leaves that slot's gradients zero; a slot's parameters and moments are always
@@ -90,6 +94,7 @@ class SlotAdamW:
         self.steps: dict[int, int] = {}
         self._cached: dict[int, _SlotViews] = {}
         self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
+        self._bounds: dict[int, tuple[float, float, float]] = {}  # slot -> upper bounds of |p|, |m|, v
 
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
@@ -99,6 +104,7 @@ class SlotAdamW:
         return self.exp_avg[tensor.name][tensor.index], self.exp_avg_sq[tensor.name][tensor.index]
 
     def reset_slot(self, slot: int) -> None:
+        self._bounds.pop(slot, None)  # the slot's values are about to be replaced
         for table in (self.exp_avg, self.exp_avg_sq):
             for full in table.values():
                 full[slot].zero_()
@@ -186,7 +192,12 @@ class SlotAdamW:
             (self.fused if self.fused is not None else device.type == "cuda") and v.dense and bool(v.values)
             for v in views
         ]
-        norms, peaks = _norms_and_peaks(views, presents, fused, device)
+        known = [
+            self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
+        ]
+        measure = [f and b is None for f, b in zip(fused, known, strict=True)]
+        norms, measured = _norms_and_peaks(views, presents, measure, device)
+        peaks = [b if b is not None else m for b, m in zip(known, measured, strict=True)]
         reports: dict[int, StepReport] = {}
         groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
         for i, ((slot, tensors, hp), v, present) in enumerate(zip(requests, views, presents, strict=True)):
@@ -203,10 +214,12 @@ class SlotAdamW:
             step = self.steps.get(slot, 0) + 1
             if fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i]):
                 self.steps[slot] = step
+                self._bounds[slot] = _next_bounds(hp, step, norm * coef, *peaks[i])
                 key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step)
                 groups.setdefault(key, []).append(i)
                 reports[slot] = StepReport(True, norm, step)
             else:
+                self._bounds.pop(slot, None)  # measured again before its next fused step
                 reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
         for (lr, beta1, beta2, eps, wd, step), members in groups.items():
             params: list[torch.Tensor] = []
@@ -328,39 +341,47 @@ class SlotAdamW:
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-def _fused_step_is_safe(
+def _next_bounds(
     hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
-) -> bool:
-    """True when an AdamW step cannot leave a non-finite value, from the slot's largest |p|, |m|, v
-    and its (clipped) gradient norm, which bounds every |g|. In exact arithmetic |m'| <= max(|m|, |g|)
-    (a convex combination), v' <= max(v, g^2), the denominator sqrt(v')/c2 + eps >= eps, so
-    |p'| <= |p| |1 - lr wd| + lr/c1 * |m'| / eps; each bound is checked with a factor of 4 below
-    float32's largest value, far more than the few roundings of the kernel can add."""
-    if not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1 and math.isfinite(hp.learning_rate)):
-        return False
+) -> tuple[float, float, float]:
+    """Upper bounds of |p|, |m| and v after the step (see ``_fused_step_is_safe``), each widened by
+    1e-6 relative for the step's roundings; inf where a bound cannot be given."""
     g = grad_norm * (1 + 1e-6)
     m_new = max(m_max, g)
     v_new = max(v_max, g * g)
     c1 = 1 - hp.beta1**step
-    c2 = math.sqrt(1 - hp.beta2**step)
-    if c1 <= 0 or c2 <= 0:
+    if not (hp.eps > 0 and c1 > 0):
+        return math.inf, math.inf, math.inf
+    p_new = p_max * abs(1 - hp.learning_rate * hp.weight_decay) + abs(hp.learning_rate) / c1 * m_new / hp.eps
+    widen = 1 + 1e-6
+    return p_new * widen, m_new * widen, v_new * widen
+
+
+def _fused_step_is_safe(
+    hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
+) -> bool:
+    """True when an AdamW step cannot leave a non-finite value, from upper bounds of the slot's
+    |p|, |m|, v and its (clipped) gradient norm, which bounds every |g|. In exact arithmetic
+    |m'| <= max(|m|, |g|) (a convex combination), v' <= max(v, g^2), the denominator
+    sqrt(v')/c2 + eps >= eps, so |p'| <= |p| |1 - lr wd| + lr/c1 * |m'| / eps; each bound is
+    checked with a factor of 4 below float32's largest value, far more than the few roundings of
+    the kernel can add."""
+    if not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1 and math.isfinite(hp.learning_rate)):
         return False
-    step_size = abs(hp.learning_rate) / c1
-    bounds = (
-        g * g,
-        m_new,
-        v_new,
-        math.sqrt(v_new) / c2 + hp.eps,
-        p_max * abs(1 - hp.learning_rate * hp.weight_decay) + step_size * m_new / hp.eps,
-    )
+    c2 = math.sqrt(1 - hp.beta2**step)
+    if c2 <= 0:
+        return False
+    g = grad_norm * (1 + 1e-6)
+    p_new, m_new, v_new = _next_bounds(hp, step, grad_norm, p_max, m_max, v_max)
+    bounds = (g * g, p_new, m_new, v_new, math.sqrt(v_new) / c2 + hp.eps)
     return all(math.isfinite(b) and b < _F32_MAX / 4 for b in bounds)
 
 
 def _norms_and_peaks(
     views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
 ) -> tuple[list[float], list[tuple[float, float, float]]]:
-    """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel and sums) and, for the
-    slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
+    """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel, its sums masked rather
+    than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
     maxima: an upper bound, equal on every rank) and read back with one host sync."""
     all_grads = [g for present in presents for g in present]
     squares = torch.stack(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
@@ -370,9 +391,9 @@ def _norms_and_peaks(
     for v, present in zip(views, presents, strict=True):
         if present:
             assert squares is not None and v.sharded is not None
-            part = squares[offset : offset + len(present)]
-            sharded_sums.append(part[v.sharded].sum())
-            replicated_sums.append(part[~v.sharded].sum())
+            part = squares[offset : offset + len(present)]  # masked sums: no host sync (no nonzero)
+            sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
+            replicated_sums.append(torch.where(v.sharded, 0.0, part).sum())
             offset += len(present)
         else:
             sharded_sums.append(zero)

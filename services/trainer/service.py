@@ -63,7 +63,10 @@ class TrainerService:
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
         self.snapshot_work_seq, self.snapshot_ns = 0, now_ns()
-        self._writing: tuple[trainer_snapshots.Captured, asyncio.Future[Path], int] | None = None
+        # the snapshot being written: its contents, the write (directory, seconds), the steps it covers
+        self._writing: tuple[trainer_snapshots.Captured, asyncio.Future[tuple[Path, float]], int] | None = (
+            None
+        )
         self.ready = False
 
     # --- start-up ---------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class TrainerService:
         due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
         if not (due_steps or (due_time and self.steps_since_snapshot)):
             return
+        started = time.monotonic()
         try:
             captured = await asyncio.to_thread(
                 trainer_snapshots.capture,
@@ -188,12 +192,22 @@ class TrainerService:
             log.warning("could not write an internal snapshot (%s); training goes on without it", exc)
             self.last_snapshot_at = time.monotonic()
             return
-        writing = asyncio.ensure_future(
-            asyncio.to_thread(trainer_snapshots.write, captured, self.data_dir, self.config.group)
+        captured_s = time.monotonic() - started
+        log.info(
+            "snapshot %012d captured in %.1f s (%.1f GB); writing it",
+            captured.index.work_seq,
+            captured_s,
+            captured.nbytes / 1e9,
         )
+        writing = asyncio.ensure_future(asyncio.to_thread(self._write_snapshot, captured))
         self._writing = (captured, writing, self.steps_since_snapshot)
         self.steps_since_snapshot = 0  # units from here on are after the snapshot
         self.last_snapshot_at = time.monotonic()
+
+    def _write_snapshot(self, captured: trainer_snapshots.Captured) -> tuple[Path, float]:
+        started = time.monotonic()
+        directory = trainer_snapshots.write(captured, self.data_dir, self.config.group)
+        return directory, time.monotonic() - started
 
     async def _finish_snapshot(self, wait: bool) -> None:
         """If the background write is done (or, with ``wait``, once it is): adopt its links and
@@ -205,7 +219,7 @@ class TrainerService:
             return
         self._writing = None
         try:
-            directory = await writing
+            directory, write_s = await writing
             await asyncio.to_thread(
                 trainer_snapshots.finish,
                 captured,
@@ -220,7 +234,7 @@ class TrainerService:
             self.last_snapshot_at = time.monotonic()
             return
         self.snapshot_work_seq, self.snapshot_ns = captured.index.work_seq, now_ns()
-        log.info("snapshot %s written (%.1f GB)", directory.name, captured.nbytes / 1e9)
+        log.info("snapshot %s written in the background in %.1f s", directory.name, write_s)
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:

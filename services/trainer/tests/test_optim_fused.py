@@ -187,3 +187,33 @@ def test_a_slot_below_the_pool_rank_takes_the_unfused_path_bit_equal_to_torch() 
         assert all(
             torch.equal(t.value(), r.detach()) for t, r in zip(_tensors(params, 0, 4), ref, strict=True)
         )
+
+
+def test_bounds_are_measured_again_after_a_slot_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finiteness bounds carried from step to step are forgotten by ``reset_slot`` (what every
+    load of a slot does first): a slot reloaded with weights near float32's largest value is not
+    given to the fused kernel (counted here), and its step is still applied and finite."""
+    calls: list[int] = []
+    real = torch._fused_adamw_
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    params = _pool(1, 8, "cpu", seed=3)
+    gen = torch.Generator().manual_seed(6)
+    opt = SlotAdamW(fused=True)
+    hp = AdamParams(learning_rate=1e-3)
+    for _ in range(2):
+        _set_grads(params, 0, 8, gen, 1e-2)
+        assert opt.step_many([(0, _tensors(params, 0, 8), hp)])[0].applied
+    assert len(calls) == 2
+    opt.reset_slot(0)
+    with torch.no_grad():
+        for t in _tensors(params, 0, 8):
+            t.value().fill_(1e38)
+    _set_grads(params, 0, 8, gen, 1e-2)
+    report = opt.step_many([(0, _tensors(params, 0, 8), hp)])[0]
+    assert len(calls) == 2, "a reloaded slot with extreme weights reached the fused kernel"
+    assert report.applied and all(bool(torch.isfinite(t.value()).all()) for t in _tensors(params, 0, 8))
