@@ -16,6 +16,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Adapter slots per trainer group (must match the trainer's)."""
     token_budget: int = 16_384
     """Tokens per work unit; a single datum over it ships alone."""
+    max_units_in_flight: int = 1
+    """Units emitted ahead of their outcomes; calls arriving meanwhile coalesce into the next
+    unit. 1 packs concurrent tenants best; 0 emits every plannable unit at once."""
     gap_timeout_s: float = 120.0
     """A missing seq_id that stays missing this long is sealed as a failure."""
     snapshot_every_s: float = 30.0

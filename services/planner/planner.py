@@ -131,6 +131,7 @@ class PlannerState:
 
     num_slots: int
     token_budget: int = 16_384
+    max_units_in_flight: int = 0  # 0: no limit
     streams: dict[str, ModelStream] = field(default_factory=dict)
     slots: dict[int, str] = field(default_factory=dict)  # slot -> model_id
     units_emitted: int = 0
@@ -140,8 +141,16 @@ class PlannerState:
 class Planner:
     """The fold (`apply`), the decision (`decide`) and what the service reads off the state."""
 
-    def __init__(self, num_slots: int, token_budget: int = 16_384, state: PlannerState | None = None) -> None:
-        self.state = state or PlannerState(num_slots=num_slots, token_budget=token_budget)
+    def __init__(
+        self,
+        num_slots: int,
+        token_budget: int = 16_384,
+        state: PlannerState | None = None,
+        max_units_in_flight: int = 0,
+    ) -> None:
+        self.state = state or PlannerState(
+            num_slots=num_slots, token_budget=token_budget, max_units_in_flight=max_units_in_flight
+        )
         self._outbox: list[Completion] = []  # finished requests not collected yet
         # Models with commands queued or buffered: the only ones a decision looks at, so its
         # cost does not grow with idle models (derived from the state, never encoded).
@@ -254,7 +263,14 @@ class Planner:
         runs now; a model that holds no slot (a create, or a paged-out model) first gets one:
         a free slot, or the least recently used slot of a model with nothing in flight, which
         is paged out in the same barrier.
+
+        Nothing is decided while `max_units_in_flight` units wait for their outcomes: calls
+        that arrive meanwhile (other tenants' forward_backward, typically) are packed into one
+        unit when an outcome frees the pipeline, instead of one small unit each.
         """
+        limit = self.state.max_units_in_flight
+        if limit and len(self.state.inflight) >= limit:
+            return None
         best_rows: Pending | None = None
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None

@@ -56,7 +56,11 @@ class PlannerService:
     def __init__(self, bus: Bus, config: PlannerConfig) -> None:
         self.bus = bus
         self.config = config
-        self.planner = Planner(num_slots=config.num_slots, token_budget=config.token_budget)
+        self.planner = Planner(
+            num_slots=config.num_slots,
+            token_budget=config.token_budget,
+            max_units_in_flight=config.max_units_in_flight,
+        )
         self._lock = asyncio.Lock()
         self._paused: set[str] = set()  # create_model requests published as paused_capacity
         self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
@@ -70,10 +74,9 @@ class PlannerService:
         saved = await snapshot.load(self.bus, self.config.trainer_group)
         if saved is not None:
             self.planner = Planner.restore(saved.state)
-            self.planner.state.num_slots, self.planner.state.token_budget = (
-                self.config.num_slots,
-                self.config.token_budget,
-            )
+            self.planner.state.num_slots = self.config.num_slots
+            self.planner.state.token_budget = self.config.token_budget
+            self.planner.state.max_units_in_flight = self.config.max_units_in_flight
             self._positions = saved.positions
         replay_ns = now_ns()  # a hole found on replay gets a full gap timeout from now
 

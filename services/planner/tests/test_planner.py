@@ -74,6 +74,31 @@ def started(*models: str, num_slots: int = 4, token_budget: int = 1_000) -> Sim:
 
 
 # --- packing ---------------------------------------------------------------------------------
+def test_calls_arriving_while_a_unit_is_in_flight_coalesce_into_one_unit() -> None:
+    """With max_units_in_flight=1, nothing is emitted while a unit awaits its outcome; the
+    forward_backward calls of three tenants that arrived meanwhile form the next unit together."""
+    sim = started("a", "b", "c", "d")
+    sim.planner.state.max_units_in_flight = 1
+    sim.send(fb("a", 1, [4]))
+    [first] = work(sim.plan())
+    assert rows(first) == [(rid("a", 1), 0)]
+    sim.send(fb("b", 1, [3]), fb("c", 1, [2]), fb("d", 1, [5]))
+    assert sim.plan() == []  # the pipeline is full
+    sim.finish(first)
+    [second] = work(sim.plan())
+    assert sorted(rows(second)) == [(rid("b", 1), 0), (rid("c", 1), 0), (rid("d", 1), 0)]
+
+
+def test_no_limit_emits_each_call_as_it_arrives() -> None:
+    """max_units_in_flight=0 (the pure planner's default) plans each arrival at once."""
+    sim = started("a", "b")
+    sim.send(fb("a", 1, [4]))
+    [first] = work(sim.plan())
+    sim.send(fb("b", 1, [3]))
+    [second] = work(sim.plan())
+    assert rows(first) == [(rid("a", 1), 0)] and rows(second) == [(rid("b", 1), 0)]
+
+
 def test_same_loss_rows_pack_across_models() -> None:
     sim = started("a", "b")
     sim.send(fb("a", 1, [4, 4]), fb("b", 1, [3]))
