@@ -198,7 +198,7 @@ def test_bounds_are_measured_again_after_a_slot_is_reset(monkeypatch: pytest.Mon
 
     def counting(*args: object, **kwargs: object) -> None:
         calls.append(1)
-        real(*args, **kwargs)  # type: ignore[arg-type]
+        real(*args, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
     params = _pool(1, 8, "cpu", seed=3)
