@@ -12,7 +12,7 @@ and recorded, the next section still runs):
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
                other attention backends on the 4k batches; a torch.profiler table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
-               of a 64-slot pool (rank 32)
+               of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
     hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
                rank 32 on q/k/v/o/gate/up/down and lm_head), same GPU; a profiler table
     liger      the same through transformers + PEFT with Liger kernels (RMSNorm, RoPE, SwiGLU,
@@ -525,9 +525,8 @@ class Bench:
             pool.routing.configs[s] = LoraConfig(rank=LORA_RANK, seed=s)
         hp = AdamParams(learning_rate=1e-5)
 
-        def step(count: int) -> None:
-            for s in range(count):
-                optimizer.step(s, pool.slot_tensors(s), hp)
+        def step(count: int) -> None:  # one call for all slots, as TrainerEngine.optim_step makes
+            optimizer.step_many([(s, pool.slot_tensors(s), hp) for s in range(count)])
 
         step(slots)  # allocates the moments
         self.sync()

@@ -54,12 +54,16 @@ def write_dir_atomically(
     files: dict[str, bytes] | None = None,
     copy_from: Path | None = None,
     links: dict[str, Path] | None = None,
+    link_from: Path | None = None,
 ) -> Path:
     """Create `final` with the given contents, all or nothing. Returns `final`.
 
     `links` are existing files to include under a new name: hard-linked (no copy) where the
-    file system allows, copied otherwise. If `final` already exists (a retried write), it is
-    kept as it is: versions are immutable.
+    file system allows, copied otherwise. `link_from` is a directory whose files are all
+    included that way (the publisher's hand-off: the trainer's staged files, already fsynced,
+    become the version's files without a second write; the staging names are removed after).
+    Linked files must never be written again under either name. If `final` already exists
+    (a retried write), it is kept as it is: versions are immutable.
     """
     if final.exists():
         return final
@@ -74,10 +78,11 @@ def write_dir_atomically(
         for name, data in (files or {}).items():
             _write_file(tmp / name, data)
         for name, src in (links or {}).items():
-            try:
-                os.link(src, tmp / name)
-            except OSError:
-                _copy_file(src, tmp / name)
+            _link_or_copy(src, tmp / name)
+        for src in sorted(link_from.iterdir()) if link_from is not None else []:
+            if src.is_file():
+                service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC mid-way through the files
+                _link_or_copy(src, tmp / src.name)
         for child in tmp.iterdir():
             child.chmod(0o644)  # sampling engines may run as another user
             with open(child, "rb") as handle:
@@ -96,6 +101,13 @@ def write_dir_atomically(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        _copy_file(src, dst)
 
 
 def _write_file(path: Path, data: bytes) -> None:

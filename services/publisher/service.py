@@ -1,7 +1,8 @@
 """The publisher: materializes checkpoints (training states and sampler exports) and registers them.
 
-For each PublishCommand (from a trainer): copy the staging directory into an immutable version
-directory (atomic: temp, fsync, rename), switch the public name to it (atomic symlink swap),
+For each PublishCommand (from a trainer): place the staging directory's files into an immutable
+version directory (atomic: hard links in a temporary directory, fsync, rename; the trainer wrote
+and fsynced the staged files, so the adapter is written to disk once), switch the public name to it (atomic symlink swap),
 record the checkpoint in the catalogue (or the ephemeral sampler's adapter), answer the request's
 future and emit CheckpointPublished. Every step is idempotent, and the message is acked last, so a
 publisher killed at any point redoes the work on restart with the same result.
@@ -118,7 +119,7 @@ class PublisherService:
             run, kind, name = path.run, path.kind, path.name
             version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
             await asyncio.to_thread(
-                layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
+                layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
             )
             crash_point("publisher.version_written")  # fault tests: die between the two atomic steps
             await asyncio.to_thread(
@@ -148,7 +149,7 @@ class PublisherService:
             assert p.sampling_session_id is not None
             version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
             await asyncio.to_thread(
-                layout.write_dir_atomically, version_dir, None, staging if staging.exists() else None
+                layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
             )
             engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
             kv = await self.bus.kv(s.KV_SAMPLERS)

@@ -25,7 +25,7 @@ def write_checkpoint(
     engine: TrainerEngine, base_model: str, data_dir: Path, unit_id: str, op: SaveSlot | ExportSlot
 ) -> PublishCommand:
     """Write the slot's files into a fresh staging directory; the command that publishes them."""
-    state = engine.get_slot_state(op.slot)
+    state = engine.get_slot_state(op.slot, with_optimizer=isinstance(op, SaveSlot))  # one host copy
     if isinstance(op, SaveSlot):
         meta = fmt.TrainingStateMeta(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
@@ -33,7 +33,7 @@ def write_checkpoint(
         files = training_state_files(state, meta)
         kind, sampler_id, metadata = "training", None, op.user_metadata
     else:
-        tensors, adapter_config = engine.export_peft(op.slot)
+        tensors, adapter_config = engine.export_peft(op.slot, state)
         adapter_config["base_model_name_or_path"] = base_model
         export_meta = fmt.SamplerExportMeta(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step

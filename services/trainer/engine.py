@@ -185,11 +185,12 @@ class TrainerEngine:
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
-        reports: dict[int, StepReport] = {}
         for slot in sorted(params):
             self._require_slot(slot)
-            reports[slot] = self.optimizer.step(slot, self.pool.slot_tensors(slot), params[slot])
-            self._pending.discard(slot)
+        reports = self.optimizer.step_many(
+            [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
+        )
+        self._pending.difference_update(params)
         return reports
 
     def discard_grads(self, slot: int) -> None:
@@ -203,9 +204,9 @@ class TrainerEngine:
 
     # ---- state ----
 
-    def get_slot_state(self, slot: int) -> SlotState:
+    def get_slot_state(self, slot: int, with_optimizer: bool = True) -> SlotState:
         self._require_slot(slot)
-        return slot_state.get_slot_state(self.pool, self.optimizer, slot)
+        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer)
 
     def get_slot_grads(self, slot: int) -> dict[str, torch.Tensor]:
         """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``."""
@@ -227,9 +228,13 @@ class TrainerEngine:
         slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)
 
-    def export_peft(self, slot: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The slot's adapter as PEFT tensors plus ``adapter_config.json`` content."""
-        return export_peft(self.get_slot_state(slot), self.shape, self.config.base_model_dir)
+    def export_peft(
+        self, slot: int, state: SlotState | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The slot's adapter as PEFT tensors plus ``adapter_config.json`` content (from ``state``,
+        the slot's state as ``get_slot_state`` gave it, when the caller has it already)."""
+        state = state if state is not None else self.get_slot_state(slot, with_optimizer=False)
+        return export_peft(state, self.shape, self.config.base_model_dir)
 
     def logits(self, datums: list[DatumInput]) -> list[torch.Tensor]:
         """Full-vocabulary logits per datum (gathered over TP), each [N, vocab]; no gradients."""

@@ -15,6 +15,20 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
     learning rate or weight decay): put p, m, v and step back as they were, zero the grads,
     report applied=False
 
+Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
+``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
+the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
+hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. The finiteness
+check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
+``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
+the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
+in float64 shows that the step cannot leave a non-finite value (``_fused_step_is_safe``); only a
+slot for which the bound fails (extreme learning rates, eps = 0, gradients near float32's range)
+takes the checked path above, with its rollback copy. The carried bounds hold because nothing but
+``step_many`` changes a slot's values and moments between two calls of ``reset_slot`` (which every
+load of a slot, ``init_slot``, ``set_slot_state`` and ``release_slot``, makes first); a checked
+step forgets them.
+
 Invariant: a step touches only the requested slot's parameter rows, moments and counter,
 and always leaves that slot's gradients zero; a slot's parameters and moments are always
 finite after it; every TP rank takes the same decisions because the norm and the finiteness
@@ -62,6 +76,7 @@ class _SlotViews:
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     sharded: torch.Tensor | None  # (len(present grads),) bool: TP-sharded, else replicated
+    dense: bool  # every value, gradient and moment view is contiguous (what the fused kernel takes)
     scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
     scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
 
@@ -69,12 +84,17 @@ class _SlotViews:
 class SlotAdamW:
     """AdamW moments and step counters for every slot, keyed by tensor name then slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool | None = None) -> None:
+        """``fused``: use ``torch._fused_adamw_`` where the step is provably finite; ``None``
+        means on CUDA tensors only (the CPU default stays bit-equal to torch.optim.AdamW's
+        default single-tensor path)."""
+        self.fused = fused
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         self.steps: dict[int, int] = {}
         self._cached: dict[int, _SlotViews] = {}
         self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
+        self._bounds: dict[int, tuple[float, float, float]] = {}  # slot -> upper bounds of |p|, |m|, v
 
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
@@ -84,6 +104,7 @@ class SlotAdamW:
         return self.exp_avg[tensor.name][tensor.index], self.exp_avg_sq[tensor.name][tensor.index]
 
     def reset_slot(self, slot: int) -> None:
+        self._bounds.pop(slot, None)  # the slot's values are about to be replaced
         for table in (self.exp_avg, self.exp_avg_sq):
             for full in table.values():
                 full[slot].zero_()
@@ -106,14 +127,20 @@ class SlotAdamW:
             if present
             else None
         )
+        values = [t.value() for t in tensors]
+        present_grads = [g for g in grads if g is not None]
         views = _SlotViews(
             key=[(t.name, t.index) for t in tensors],
             grad_sources=[t.param.grad for t in tensors],
-            values=[t.value() for t in tensors],
+            values=values,
             grads=grads,
             exp_avg=[m for m, _ in moments],
             exp_avg_sq=[v for _, v in moments],
             sharded=sharded,
+            dense=all(
+                t.is_contiguous()
+                for t in [*values, *present_grads, *(m for m, _ in moments), *(v for _, v in moments)]
+            ),
         )
         self._cached[slot] = views
         return views
@@ -148,15 +175,95 @@ class SlotAdamW:
 
     def step(self, slot: int, tensors: list[SlotTensor], hp: AdamParams) -> StepReport:
         """Apply one AdamW step to ``slot`` (``tensors`` = its adapter tensors), then zero grads."""
-        views = self._views(slot, tensors)
-        present = [g for g in views.grads if g is not None]
-        norm = _grad_norm(present, views.sharded, tensors)
-        if not math.isfinite(norm):
-            _zero(present)
-            return StepReport(False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})")
-        if hp.grad_clip_norm > 0 and present:
-            coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0)
-            torch._foreach_mul_(present, coef)
+        return self.step_many([(slot, tensors, hp)])[slot]
+
+    def step_many(self, requests: list[tuple[int, list[SlotTensor], AdamParams]]) -> dict[int, StepReport]:
+        """One AdamW step for each ``(slot, tensors, hp)`` (distinct slots), then zero their grads.
+
+        Each slot's result is the one ``step`` alone would give it; the slots share the norm
+        kernels, one host sync and, where their hyper-parameters and step counts agree, one
+        fused update."""
+        if not requests:
+            return {}
+        views = [self._views(slot, tensors) for slot, tensors, _ in requests]
+        presents = [[g for g in v.grads if g is not None] for v in views]
+        device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
+        fused = [
+            (self.fused if self.fused is not None else device.type == "cuda") and v.dense and bool(v.values)
+            for v in views
+        ]
+        known = [
+            self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
+        ]
+        measure = [f and b is None for f, b in zip(fused, known, strict=True)]
+        norms, measured = _norms_and_peaks(views, presents, measure, device)
+        peaks = [b if b is not None else m for b, m in zip(known, measured, strict=True)]
+        reports: dict[int, StepReport] = {}
+        groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
+        for i, ((slot, tensors, hp), v, present) in enumerate(zip(requests, views, presents, strict=True)):
+            norm = norms[i]
+            if not math.isfinite(norm):
+                _zero(present)
+                reports[slot] = StepReport(
+                    False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})"
+                )
+                continue
+            coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
+            if coef != 1.0 and present:  # a product by 1.0 is exact: skipping it changes no bit
+                torch._foreach_mul_(present, coef)
+            step = self.steps.get(slot, 0) + 1
+            if fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i]):
+                self.steps[slot] = step
+                self._bounds[slot] = _next_bounds(hp, step, norm * coef, *peaks[i])
+                key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step)
+                groups.setdefault(key, []).append(i)
+                reports[slot] = StepReport(True, norm, step)
+            else:
+                self._bounds.pop(slot, None)  # measured again before its next fused step
+                reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
+        for (lr, beta1, beta2, eps, wd, step), members in groups.items():
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avg: list[torch.Tensor] = []
+            exp_avg_sq: list[torch.Tensor] = []
+            for i in members:
+                v = views[i]
+                params += v.values
+                grads += [
+                    torch.zeros_like(p) if g is None else g for p, g in zip(v.values, v.grads, strict=True)
+                ]
+                exp_avg += v.exp_avg
+                exp_avg_sq += v.exp_avg_sq
+            counter = torch.full((), float(step), dtype=torch.float32, device=device)
+            with torch.no_grad():
+                torch._fused_adamw_(
+                    params,
+                    grads,
+                    exp_avg,
+                    exp_avg_sq,
+                    [],
+                    [counter] * len(params),  # read, not written: one shared counter is enough
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=wd,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+        _zero([g for i in (m for ms in groups.values() for m in ms) for g in presents[i]])
+        return reports
+
+    def _checked_step(
+        self,
+        slot: int,
+        tensors: list[SlotTensor],
+        views: _SlotViews,
+        present: list[torch.Tensor],
+        norm: float,
+        hp: AdamParams,
+    ) -> StepReport:
+        """The step with a rollback copy and a finiteness check after it (grads already clipped)."""
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
         params = views.values
@@ -229,6 +336,93 @@ class SlotAdamW:
         torch._foreach_div_(roots, bias2_sqrt)
         torch._foreach_add_(roots, hp.eps)
         torch._foreach_addcdiv_(params, exp_avg, roots, value=-step_size)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _next_bounds(
+    hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
+) -> tuple[float, float, float]:
+    """Upper bounds of |p|, |m| and v after the step (see ``_fused_step_is_safe``), each widened by
+    1e-6 relative for the step's roundings; inf where a bound cannot be given."""
+    g = grad_norm * (1 + 1e-6)
+    m_new = max(m_max, g)
+    v_new = max(v_max, g * g)
+    c1 = 1 - hp.beta1**step
+    if not (hp.eps > 0 and c1 > 0):
+        return math.inf, math.inf, math.inf
+    p_new = p_max * abs(1 - hp.learning_rate * hp.weight_decay) + abs(hp.learning_rate) / c1 * m_new / hp.eps
+    widen = 1 + 1e-6
+    return p_new * widen, m_new * widen, v_new * widen
+
+
+def _fused_step_is_safe(
+    hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
+) -> bool:
+    """True when an AdamW step cannot leave a non-finite value, from upper bounds of the slot's
+    |p|, |m|, v and its (clipped) gradient norm, which bounds every |g|. In exact arithmetic
+    |m'| <= max(|m|, |g|) (a convex combination), v' <= max(v, g^2), the denominator
+    sqrt(v')/c2 + eps >= eps, so |p'| <= |p| |1 - lr wd| + lr/c1 * |m'| / eps; each bound is
+    checked with a factor of 4 below float32's largest value, far more than the few roundings of
+    the kernel can add."""
+    if not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1 and math.isfinite(hp.learning_rate)):
+        return False
+    c2 = math.sqrt(1 - hp.beta2**step)
+    if c2 <= 0:
+        return False
+    g = grad_norm * (1 + 1e-6)
+    p_new, m_new, v_new = _next_bounds(hp, step, grad_norm, p_max, m_max, v_max)
+    bounds = (g * g, p_new, m_new, v_new, math.sqrt(v_new) / c2 + hp.eps)
+    return all(math.isfinite(b) and b < _F32_MAX / 4 for b in bounds)
+
+
+def _norms_and_peaks(
+    views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
+) -> tuple[list[float], list[tuple[float, float, float]]]:
+    """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel, its sums masked rather
+    than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
+    maxima: an upper bound, equal on every rank) and read back with one host sync."""
+    all_grads = [g for present in presents for g in present]
+    squares = torch.stack(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sharded_sums, replicated_sums = [], []
+    offset = 0
+    for v, present in zip(views, presents, strict=True):
+        if present:
+            assert squares is not None and v.sharded is not None
+            part = squares[offset : offset + len(present)]  # masked sums: no host sync (no nonzero)
+            sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
+            replicated_sums.append(torch.where(v.sharded, 0.0, part).sum())
+            offset += len(present)
+        else:
+            sharded_sums.append(zero)
+            replicated_sums.append(zero)
+    columns = [torch.stack(sharded_sums)]
+    state = [
+        t for v, f in zip(views, fused, strict=True) if f for t in (*v.values, *v.exp_avg, *v.exp_avg_sq)
+    ]
+    if state:
+        peaks_all = torch.stack(torch._foreach_norm(state, float("inf"))).to(torch.float64)
+        peaks, offset = [], 0
+        for v, f in zip(views, fused, strict=True):
+            n = len(v.values)
+            if f:
+                block = peaks_all[offset : offset + 3 * n].view(3, n)
+                peaks.append(block.amax(dim=1))
+                offset += 3 * n
+            else:
+                peaks.append(torch.zeros(3, dtype=torch.float64, device=device))
+        columns.append(torch.stack(peaks).T)
+    reduced = torch.cat([c.reshape(-1, len(views)) for c in columns])
+    tp_all_reduce_sum(reduced)
+    norms_t = torch.sqrt(reduced[0] + torch.stack(replicated_sums))
+    values = torch.cat([norms_t, reduced[1:].reshape(-1)]).tolist()
+    n = len(views)
+    norms = values[:n]
+    rest = values[n:]
+    out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]
+    return norms, out_peaks
 
 
 def _zero(grads: list[torch.Tensor]) -> None:

@@ -2,7 +2,9 @@
 
 This module is the consuming loop: it pulls one unit at a time from the group's durable,
 runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, publishes
-the saves' ``PublishCommand``s and then the outcome, acks, and takes a snapshot now and then.
+the saves' ``PublishCommand``s and then the outcome, acks, and takes a snapshot now and then:
+the unit path waits only while the slots' state is copied to host memory; the snapshot is
+written on a background thread while the next units run (``snapshots.py``), one at a time.
 Start-up rebuilds the slots first (``recovery.py``); a unit whose outcome already exists is
 only acked, so a redelivery never has a second effect.
 """
@@ -61,6 +63,10 @@ class TrainerService:
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
         self.snapshot_work_seq, self.snapshot_ns = 0, now_ns()
+        # the snapshot being written: its contents, the write (directory, seconds), the steps it covers
+        self._writing: tuple[trainer_snapshots.Captured, asyncio.Future[tuple[Path, float]], int] | None = (
+            None
+        )
         self.ready = False
 
     # --- start-up ---------------------------------------------------------------------------
@@ -87,6 +93,7 @@ class TrainerService:
         try:
             await fetch_loop(sub, self._on_units, stop, batch=1, wait_s=1.0)
         finally:
+            await self._finish_snapshot(wait=True)  # a snapshot being written is completed
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
@@ -161,13 +168,19 @@ class TrainerService:
         return work.result()
 
     async def _maybe_snapshot(self) -> None:
+        """Between two units: complete a finished background write, and start a snapshot when one
+        is due and none is being written."""
+        await self._finish_snapshot(wait=False)
+        if self._writing is not None:
+            return
         due_steps = self.steps_since_snapshot >= self.config.snapshot_every_steps
         due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
         if not (due_steps or (due_time and self.steps_since_snapshot)):
             return
+        started = time.monotonic()
         try:
-            await asyncio.to_thread(
-                trainer_snapshots.take,
+            captured = await asyncio.to_thread(
+                trainer_snapshots.capture,
                 self.engine,
                 dict(self.executor.slot_models),
                 self.executor.pages,
@@ -179,9 +192,49 @@ class TrainerService:
             log.warning("could not write an internal snapshot (%s); training goes on without it", exc)
             self.last_snapshot_at = time.monotonic()
             return
-        self.steps_since_snapshot = 0
+        captured_s = time.monotonic() - started
+        log.info(
+            "snapshot %012d captured in %.1f s (%.1f GB); writing it",
+            captured.index.work_seq,
+            captured_s,
+            captured.nbytes / 1e9,
+        )
+        writing = asyncio.ensure_future(asyncio.to_thread(self._write_snapshot, captured))
+        self._writing = (captured, writing, self.steps_since_snapshot)
+        self.steps_since_snapshot = 0  # units from here on are after the snapshot
         self.last_snapshot_at = time.monotonic()
-        self.snapshot_work_seq, self.snapshot_ns = self.last_work_seq, now_ns()
+
+    def _write_snapshot(self, captured: trainer_snapshots.Captured) -> tuple[Path, float]:
+        started = time.monotonic()
+        directory = trainer_snapshots.write(captured, self.data_dir, self.config.group)
+        return directory, time.monotonic() - started
+
+    async def _finish_snapshot(self, wait: bool) -> None:
+        """If the background write is done (or, with ``wait``, once it is): adopt its links and
+        collect old snapshots (``snapshots.finish``), or count its steps again if it failed."""
+        if self._writing is None:
+            return
+        captured, writing, steps = self._writing
+        if not writing.done() and not wait:
+            return
+        self._writing = None
+        try:
+            directory, write_s = await writing
+            await asyncio.to_thread(
+                trainer_snapshots.finish,
+                captured,
+                directory,
+                self.executor.pages,
+                self.data_dir,
+                self.config.group,
+            )
+        except OSError as exc:  # a full disk: recovery replays from the previous snapshot instead
+            log.warning("could not write an internal snapshot (%s); training goes on without it", exc)
+            self.steps_since_snapshot += steps  # still not covered by a snapshot
+            self.last_snapshot_at = time.monotonic()
+            return
+        self.snapshot_work_seq, self.snapshot_ns = captured.index.work_seq, now_ns()
+        log.info("snapshot %s written in the background in %.1f s", directory.name, write_s)
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:

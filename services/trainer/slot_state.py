@@ -34,17 +34,28 @@ class SlotState:
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def get_slot_state(pool: AdapterPool, optimizer: SlotAdamW, slot: int) -> SlotState:
-    """Gather ``slot``'s state over TP (a collective: every rank must call it)."""
+def _host_copy(value: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that shares no memory with ``value``: one device-to-host copy, or a clone on CPU."""
+    return value.clone() if value.device.type == "cpu" else value.cpu()
+
+
+def get_slot_state(
+    pool: AdapterPool, optimizer: SlotAdamW, slot: int, with_optimizer: bool = True
+) -> SlotState:
+    """Gather ``slot``'s state over TP (a collective: every rank must call it). Without
+    ``with_optimizer`` the moments are left out (empty; an export needs the adapter alone)."""
     if slot not in pool.configs:
         raise KeyError(f"slot {slot} is not initialised")
     adapter: dict[str, torch.Tensor] = {}
     exp_avg: dict[str, torch.Tensor] = {}
     exp_avg_sq: dict[str, torch.Tensor] = {}
     for tensor in pool.slot_tensors(slot):
-        m, v = optimizer.moments(tensor)
-        for table, local in ((adapter, tensor.value()), (exp_avg, m), (exp_avg_sq, v)):
-            table[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
+        parts = [(adapter, tensor.value())]
+        if with_optimizer:
+            m, v = optimizer.moments(tensor)
+            parts += [(exp_avg, m), (exp_avg_sq, v)]
+        for table, local in parts:
+            table[tensor.name] = _host_copy(unshard(tp_all_gather(local.detach()), tensor.kind))
     return SlotState(pool.configs[slot], optimizer.steps.get(slot, 0), adapter, exp_avg, exp_avg_sq)
 
 

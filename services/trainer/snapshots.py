@@ -6,6 +6,14 @@ state the same way, and the work-stream sequence of the last unit it includes. R
 re-executing the later units (those that have outcomes) reproduces the trainer's state bit for
 bit. Snapshots are written atomically; the last two are kept.
 
+Taking one has three parts so that the trainer's unit path waits only for the first
+(``services/trainer/service.py``): ``capture`` copies every slot's state to host memory between
+two units (so it is exactly the state after `work_seq`) and makes the paged states durable;
+``write`` encodes and writes the directory, on a background thread while later units run; and
+``finish``, again between two units, points the page store at the snapshot's links and removes
+the snapshots beyond the last two. A snapshot whose write has not finished is just absent:
+recovery uses the newest complete one.
+
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slots.json
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slot-<n>.safetensors
     DATA/trainer/<group>/snapshots/<work_seq:012d>/paged-<model token>.safetensors
@@ -21,7 +29,9 @@ replays the whole work stream instead, see ``services/trainer/recovery.py``).
 
 from __future__ import annotations
 
+import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -34,6 +44,7 @@ from services.trainer.engine import TrainerEngine
 
 KEEP = 2
 INDEX = "slots.json"
+_HOLD = ".tmp-hold-"  # a capture's links to the paged files, until its write
 
 
 class SnapshotIndex(msgspec.Struct):
@@ -51,6 +62,79 @@ def _paged_file(model_id: str) -> str:
     return f"paged-{token(model_id)}.safetensors"
 
 
+@dataclass(frozen=True)
+class Captured:
+    """A snapshot's contents, held in host memory until ``write`` puts them on disk."""
+
+    index: SnapshotIndex
+    slots: dict[int, paging.PagedState]
+    links: dict[str, Path]  # paged model id -> a hard link to its file as captured, in `hold`
+    hold: Path  # removed by ``write``
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.slots.values())
+
+
+def capture(
+    engine: TrainerEngine,
+    slot_models: dict[int, str],
+    store: paging.PageStore,
+    data_dir: Path,
+    group: str,
+    work_seq: int,
+) -> Captured:
+    """The state after `work_seq` (call it between units): host copies of the occupied slots, and
+    the paged states as files (each written at most once, ``PageStore.durable``), hard-linked at
+    once into a holding directory: the page store may delete or rewrite its file under the same
+    name before ``write`` runs."""
+    slots = {slot: paging.capture(engine, slot, model_id) for slot, model_id in sorted(slot_models.items())}
+    base = root(data_dir, group)
+    base.mkdir(parents=True, exist_ok=True)
+    for stale in base.glob(f"{_HOLD}*"):  # of a trainer that died before writing (one at a time)
+        shutil.rmtree(stale, ignore_errors=True)
+    hold = base / f"{_HOLD}{work_seq:012d}"
+    hold.mkdir()
+    links: dict[str, Path] = {}
+    for model_id in store.models:
+        held = hold / _paged_file(model_id)
+        source = store.durable(model_id)
+        try:
+            os.link(source, held)
+        except OSError:  # no hard links here: a copy
+            shutil.copyfile(source, held)
+        links[model_id] = held
+    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models, FORMAT_VERSION)
+    return Captured(index, slots, links, hold)
+
+
+def write(captured: Captured, data_dir: Path, group: str) -> Path:
+    """Write the snapshot's directory atomically (any thread); returns it."""
+    try:
+        files = {f"slot-{slot}.safetensors": paging.encode(state) for slot, state in captured.slots.items()}
+        files[INDEX] = msgspec.json.encode(captured.index)
+        links = {_paged_file(model_id): path for model_id, path in captured.links.items()}
+        final = root(data_dir, group) / f"{captured.index.work_seq:012d}"
+        return layout.write_dir_atomically(final, files, links=links)
+    finally:
+        shutil.rmtree(captured.hold, ignore_errors=True)
+
+
+def finish(captured: Captured, directory: Path, store: paging.PageStore, data_dir: Path, group: str) -> None:
+    """After ``write`` (call it between units): the page store reads each paged state that is still
+    the captured one from the snapshot's link, then older snapshots beyond the last two go."""
+    for model_id in captured.links:
+        current, link = store.file_of(model_id), directory / _paged_file(model_id)
+        if current is not None and current.exists() and os.path.samefile(current, link):
+            # still the captured state (not paged in, or out again, since): read it from the
+            # snapshot's link, so that the old link may be collected
+            store.adopt(model_id, link)
+    for old in sorted(
+        p for p in root(data_dir, group).iterdir() if p.is_dir() and not p.name.startswith(".")
+    )[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def take(
     engine: TrainerEngine,
     slot_models: dict[int, str],
@@ -59,20 +143,10 @@ def take(
     group: str,
     work_seq: int,
 ) -> Path:
-    """Write a snapshot covering every unit up to `work_seq`; returns its directory."""
-    files: dict[str, bytes] = {}
-    links: dict[str, Path] = {}
-    for slot, model_id in sorted(slot_models.items()):
-        files[f"slot-{slot}.safetensors"] = paging.encode(paging.capture(engine, slot, model_id))
-    for model_id in store.models:  # written to disk once per page-out, then only linked
-        links[_paged_file(model_id)] = store.durable(model_id)
-    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models, FORMAT_VERSION)
-    files[INDEX] = msgspec.json.encode(index)
-    directory = layout.write_dir_atomically(root(data_dir, group) / f"{work_seq:012d}", files, links=links)
-    for model_id in index.paged:
-        store.adopt(model_id, directory / _paged_file(model_id))  # the old link may be collected
-    for old in sorted(p for p in root(data_dir, group).iterdir() if p.is_dir() and not p.name.startswith("."))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Write a snapshot covering every unit up to `work_seq` in one go; returns its directory."""
+    captured = capture(engine, slot_models, store, data_dir, group, work_seq)
+    directory = write(captured, data_dir, group)
+    finish(captured, directory, store, data_dir, group)
     return directory
 
 
@@ -80,7 +154,9 @@ def latest(data_dir: Path, group: str) -> Path | None:
     base = root(data_dir, group)
     if not base.exists():
         return None
-    done = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / INDEX).exists())
+    done = sorted(
+        p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / INDEX).exists()
+    )
     return done[-1] if done else None
 
 

@@ -1,10 +1,10 @@
 """A full disk during a checkpoint write: a clear error, the previous checkpoint intact, nothing
 half-published, and the next save works once there is space again.
 
-The disk fills at an exact place (`libs/faults.py`, action `enospc`): the write of a checkpoint
-file fails with ENOSPC after half of the file was written, as a full disk does. It strikes once in
-the trainer (writing the hand-off copy) and once in the publisher (copying the version into place,
-on its second file), each on a later save of the same name.
+The disk fills at an exact place (`libs/faults.py`, action `enospc`), as a full disk does: once in
+the trainer, whose write of the hand-off copy fails after half of a file was written, and once in
+the publisher, whose placing of the version's second file (a hard link of the staged one) fails,
+each on a later save of the same name.
 """
 
 from __future__ import annotations

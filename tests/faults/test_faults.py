@@ -143,8 +143,9 @@ def test_gateway_killed_in_every_phase(tmp_path: Path, reference: dict[int, Tena
 
 
 def test_publisher_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
-    """The publisher dies mid-copy of a checkpoint file, after writing a version before switching
-    the name, and after answering a save before acknowledging the publication."""
+    """The publisher dies while placing a version's files (hard links of the staged ones), after
+    writing a version before switching the name, and after answering a save before acknowledging
+    the publication."""
     points = ("publisher.checkpoint_write@2", "publisher.version_written@1", "publisher.answered@2")
     scenario(tmp_path, reference, points)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,17 @@ def test_versions_are_immutable(tmp_path: Path) -> None:
     layout.write_dir_atomically(target, {"f": b"first"})
     layout.write_dir_atomically(target, {"f": b"second"})
     assert (target / "f").read_bytes() == b"first"
+
+
+def test_link_from_places_the_staged_files_without_a_second_copy(tmp_path: Path) -> None:
+    """`link_from` puts every staged file into the version as the same file on disk (one inode,
+    so no second write), readable by other users, and the version stays whole once the staging
+    directory is removed."""
+    staging = layout.write_dir_atomically(tmp_path / "staging" / "u-1", {"adapter.safetensors": b"w" * 4096, "c.json": b"{}"})
+    target = layout.write_dir_atomically(tmp_path / "versions" / "ckpt@1", link_from=staging)
+    for name in ("adapter.safetensors", "c.json"):
+        assert os.stat(target / name).st_ino == os.stat(staging / name).st_ino, name
+        assert (target / name).stat().st_mode & 0o777 == 0o644, name
+    shutil.rmtree(staging)
+    assert sorted(p.name for p in target.iterdir()) == ["adapter.safetensors", "c.json"]
+    assert (target / "adapter.safetensors").read_bytes() == b"w" * 4096

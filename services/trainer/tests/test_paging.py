@@ -133,3 +133,39 @@ def test_a_snapshot_of_an_older_adapter_format_is_refused(engine: TrainerEngine,
     with pytest.raises(msgspec.ValidationError, match="format-2 adapters; this trainer reads format 3"):
         snapshots.restore(engine, paging.PageStore(tmp_path / "data2" / "paged", 1 << 40), directory)
     assert 0 not in engine.pool.configs
+
+
+def test_a_snapshot_written_after_later_work_holds_the_captured_state(
+    engine: TrainerEngine, qwen_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer writes a snapshot while later units run: a state captured, then slot 0 trained
+    on and the paged model b paged in, trained and paged out again (to the same file name on disk)
+    before the snapshot is written and finished. The snapshot restores the captured states exactly,
+    and the live page store still holds b's newer state, not the snapshot's older one."""
+    store = paging.PageStore(tmp_path / "data" / "paged", host_budget_bytes=0)  # paged states on disk
+    for slot, config in enumerate((X, Y)):
+        engine.init_slot(slot, config)
+        _fb(engine, slot, slot)
+        engine.optim_step({slot: HP})
+    want_a, want_b = _state(engine, 0), _state(engine, 1)
+    store.page_out(engine, 1, "b")
+    captured = snapshots.capture(engine, {0: "a"}, store, tmp_path / "data", "g", work_seq=9)
+    _fb(engine, 0, 20)  # later units, before the background write ends
+    engine.optim_step({0: HP})
+    store.page_in(engine, 1, "b")
+    _fb(engine, 1, 21)
+    engine.optim_step({1: HP})
+    newer_b = _state(engine, 1)
+    store.page_out(engine, 1, "b")
+    directory = snapshots.write(captured, tmp_path / "data", "g")
+    snapshots.finish(captured, directory, store, tmp_path / "data", "g")
+
+    store.page_in(engine, 1, "b")
+    assert all(torch.equal(_state(engine, 1)[k], v) for k, v in newer_b.items())
+    fresh = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=2, max_lora_rank=8))
+    restored_store = paging.PageStore(tmp_path / "data2" / "paged", host_budget_bytes=1 << 40)
+    assert snapshots.restore(fresh, restored_store, directory) == (9, {0: "a"})
+    restored_store.page_in(fresh, 1, "b")
+    for slot, want in ((0, want_a), (1, want_b)):
+        got = _state(fresh, slot)
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items()), slot

@@ -134,3 +134,21 @@ def test_a_checkpoint_of_an_older_lora_shape_is_refused_naming_its_format(
         doc["lora"] = {k: doc.pop(k) for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed")}
     (tmp_path / fmt.STATE_FILE).write_bytes(msgspec.json.encode(doc))
     assert read_training_state(tmp_path)[0].adapter.keys() == state.adapter.keys()  # the current one loads
+
+
+def test_the_adapter_alone_is_the_full_states_adapter_and_exports_the_same(engine: TrainerEngine) -> None:
+    """``get_slot_state(with_optimizer=False)`` (what a sampler export copies to the host) holds
+    the same config, step and adapter tensors as the full state and no moments, its tensors are
+    copies (a later step leaves them unchanged), and the PEFT export made from it is the same."""
+    engine.init_slot(1, LoraConfig(rank=4, seed=3))
+    _train(engine, 1, range(2))
+    full, alone = engine.get_slot_state(1), engine.get_slot_state(1, with_optimizer=False)
+    assert (alone.config, alone.step, alone.exp_avg, alone.exp_avg_sq) == (full.config, full.step, {}, {})
+    assert set(alone.adapter) == set(full.adapter)
+    assert all(torch.equal(alone.adapter[k], v) for k, v in full.adapter.items())
+    tensors, config = engine.export_peft(1, alone)
+    want_tensors, want_config = engine.export_peft(1)
+    assert config == want_config and set(tensors) == set(want_tensors)
+    assert all(torch.equal(tensors[k], v) for k, v in want_tensors.items())
+    _train(engine, 1, range(2, 3))
+    assert all(torch.equal(alone.adapter[k], v) for k, v in full.adapter.items())

@@ -1,0 +1,219 @@
+"""``SlotAdamW.step_many`` with the fused update: several slots in one call, each exactly as
+``torch.optim.AdamW(fused=True)`` on copies of that slot's tensors; steps the finiteness bound
+cannot certify take the checked path (rollback) without disturbing the others.
+
+A unit test of the optimizer alone (no model): slot-indexed parameters shaped like the engine's
+(``[slots, rank, in]`` for A, ``[slots, out, rank]`` for B), stepped through ``SlotTensor`` views.
+Each test runs on the CPU (``fused=True`` forces the fused kernel there) and, where there is one,
+on CUDA (the default picks it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from services.trainer.convert import ShardKind
+from services.trainer.lora import SlotTensor
+from services.trainer.optim import AdamParams, SlotAdamW
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _model_parallel() -> None:
+    from services.trainer.parallel import ensure_model_parallel
+
+    ensure_model_parallel("cuda" if torch.cuda.is_available() else "cpu")  # the norms are all-reduced over TP
+
+
+def _pool(slots: int, rank: int, device: str, seed: int) -> list[nn.Parameter]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(slots, rank, 64), (slots, 96, rank), (slots, rank, 48), (slots, 64, rank)]
+    return [nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.1) for s in shapes]
+
+
+def _tensors(params: list[nn.Parameter], slot: int, rank: int) -> list[SlotTensor]:
+    out = []
+    for i, p in enumerate(params):
+        index = (slot, slice(0, rank)) if i % 2 == 0 else (slot, slice(None), slice(0, rank))
+        out.append(SlotTensor(f"t{i}", p, index, ShardKind.REPLICATED))
+    return out
+
+
+def _set_grads(
+    params: list[nn.Parameter], slot: int, rank: int, gen: torch.Generator, scale: float
+) -> list[torch.Tensor]:
+    out = []
+    for p, t in zip(params, _tensors(params, slot, rank), strict=True):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = torch.randn(t.value().shape, generator=gen, device=p.device) * scale
+        p.grad[t.index] = g  # type: ignore[index]
+        out.append(g)
+    return out
+
+
+def _optimizer(device: str) -> SlotAdamW:
+    return SlotAdamW(fused=True) if device == "cpu" else SlotAdamW()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_step_many_equals_torch_fused_adamw_per_slot(device: str) -> None:
+    """Three calls stepping slots 0, 1 and 3 together (0 and 3 with the same hyper-parameters,
+    1 with others and gradient clipping): every slot's weights equal torch.optim.AdamW(fused=True)
+    (after clip_grad_norm_ for slot 1) bit for bit, the reported norms equal the reference's within
+    fp64 rounding, every stepped slot's gradients are zero, and slot 2 is untouched."""
+    rank, slots = 8, 4
+    params = _pool(slots, rank, device, seed=0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    for slot in range(slots):
+        _set_grads(params, slot, rank, gen, 0.0)
+    hps = {
+        0: AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1),
+        1: AdamParams(
+            learning_rate=3e-3, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.0, grad_clip_norm=0.05
+        ),
+        3: AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1),
+    }
+    refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, rank)] for s in hps}
+    ref_opts = {
+        s: torch.optim.AdamW(
+            refs[s],
+            lr=hp.learning_rate,
+            betas=(hp.beta1, hp.beta2),
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            fused=True,
+        )
+        for s, hp in hps.items()
+    }
+    untouched = [t.value().detach().clone() for t in _tensors(params, 2, rank)]
+    opt = _optimizer(device)
+    for step in range(1, 4):
+        for s in hps:
+            for r, g in zip(refs[s], _set_grads(params, s, rank, gen, 1e-2), strict=True):
+                r.grad = g.clone()
+        reports = opt.step_many([(s, _tensors(params, s, rank), hp) for s, hp in hps.items()])
+        for s, hp in hps.items():
+            clip = hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(refs[s], clip, foreach=True))
+            ref_opts[s].step()
+            assert reports[s].applied and reports[s].step == step, (s, reports[s])
+            assert math.isclose(reports[s].grad_norm, ref_norm, rel_tol=1e-6), (
+                s,
+                reports[s].grad_norm,
+                ref_norm,
+            )
+            for t, r in zip(_tensors(params, s, rank), refs[s], strict=True):
+                if hp.grad_clip_norm > 0:
+                    # the clip coefficient comes from an fp64 norm here and an fp32 one in torch: the
+                    # clipped gradients differ by a rounding, which Adam carries into the update
+                    bound = (
+                        step * 8 * 2.0**-24 * (r.detach().abs() + hp.learning_rate / math.sqrt(1 - hp.beta2))
+                    )
+                    assert bool(((t.value() - r.detach()).abs() <= bound).all()), (s, t.name)
+                else:
+                    assert torch.equal(t.value(), r.detach()), (s, t.name)
+                assert float(t.grad().abs().max()) == 0, (s, t.name)  # type: ignore[union-attr]
+    for before, t in zip(untouched, _tensors(params, 2, rank), strict=True):
+        assert torch.equal(before, t.value())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_the_bound_cannot_certify_is_rolled_back_alone(device: str) -> None:
+    """In one call, slot 0 with a learning rate that overflows float32 takes the checked path: its
+    step is reported as rolled back, and its weights, moments and step count are as before; slot 1
+    in the same call is stepped exactly as torch.optim.AdamW(fused=True) steps it."""
+    rank = 8
+    params = _pool(2, rank, device, seed=1)
+    gen = torch.Generator(device=device).manual_seed(4)
+    _set_grads(params, 0, rank, gen, 1e-2)
+    good_hp = AdamParams(learning_rate=1e-2)
+    ref = [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, 1, rank)]
+    for r, g in zip(ref, _set_grads(params, 1, rank, gen, 1e-2), strict=True):
+        r.grad = g.clone()
+    opt = _optimizer(device)
+    before = [t.value().detach().clone() for t in _tensors(params, 0, rank)]
+    reports = opt.step_many(
+        [
+            (0, _tensors(params, 0, rank), AdamParams(learning_rate=1e38)),
+            (1, _tensors(params, 1, rank), good_hp),
+        ]
+    )
+    assert not reports[0].applied and reports[0].step == 0
+    assert reports[0].reason is not None and "rolled back" in reports[0].reason
+    assert all(torch.equal(b, t.value()) for b, t in zip(before, _tensors(params, 0, rank), strict=True))
+    assert all(float(m.abs().max()) == 0 for m in opt.exp_avg.values() for m in [m[0]])
+    assert 0 not in opt.steps
+    torch.optim.AdamW(
+        ref,
+        lr=good_hp.learning_rate,
+        betas=(good_hp.beta1, good_hp.beta2),
+        eps=good_hp.eps,
+        weight_decay=good_hp.weight_decay,
+        fused=True,
+    ).step()
+    assert reports[1].applied and reports[1].step == 1
+    assert all(
+        torch.equal(t.value(), r.detach()) for t, r in zip(_tensors(params, 1, rank), ref, strict=True)
+    )
+
+
+def test_a_slot_below_the_pool_rank_takes_the_unfused_path_bit_equal_to_torch() -> None:
+    """A slot whose rank is below the pool's (its B views are strided, which the fused kernel does
+    not take) is stepped by the checked path, bit-equal to torch.optim.AdamW's default on the CPU,
+    even with ``fused=True``."""
+    params = _pool(2, 8, "cpu", seed=2)
+    gen = torch.Generator().manual_seed(5)
+    hp = AdamParams(learning_rate=1e-2, weight_decay=0.05)
+    ref = [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, 0, 4)]
+    ref_opt = torch.optim.AdamW(
+        ref, lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay
+    )
+    opt = SlotAdamW(fused=True)
+    for step in range(1, 3):
+        for r, g in zip(ref, _set_grads(params, 0, 4, gen, 1e-2), strict=True):
+            r.grad = g.clone()
+        report = opt.step_many([(0, _tensors(params, 0, 4), hp)])[0]
+        ref_opt.step()
+        assert report.applied and report.step == step
+        assert all(
+            torch.equal(t.value(), r.detach()) for t, r in zip(_tensors(params, 0, 4), ref, strict=True)
+        )
+
+
+def test_bounds_are_measured_again_after_a_slot_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finiteness bounds carried from step to step are forgotten by ``reset_slot`` (what every
+    load of a slot does first): a slot reloaded with weights near float32's largest value is not
+    given to the fused kernel (counted here), and its step is still applied and finite."""
+    calls: list[int] = []
+    real = torch._fused_adamw_
+
+    def counting(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        real(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    params = _pool(1, 8, "cpu", seed=3)
+    gen = torch.Generator().manual_seed(6)
+    opt = SlotAdamW(fused=True)
+    hp = AdamParams(learning_rate=1e-3)
+    for _ in range(2):
+        _set_grads(params, 0, 8, gen, 1e-2)
+        assert opt.step_many([(0, _tensors(params, 0, 8), hp)])[0].applied
+    assert len(calls) == 2
+    opt.reset_slot(0)
+    with torch.no_grad():
+        for t in _tensors(params, 0, 8):
+            t.value().fill_(1e38)
+    _set_grads(params, 0, 8, gen, 1e-2)
+    report = opt.step_many([(0, _tensors(params, 0, 8), hp)])[0]
+    assert len(calls) == 2, "a reloaded slot with extreme weights reached the fused kernel"
+    assert report.applied and all(bool(torch.isfinite(t.value()).all()) for t in _tensors(params, 0, 8))
