@@ -50,11 +50,14 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
+        """`url` may list several servers, comma-separated (a cluster's nodes): the client connects
+        to one of them and, when it is lost, reconnects to any other (without end)."""
+
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
 
         nc = await nats.connect(
-            url,
+            [u.strip() for u in url.split(",") if u.strip()],
             name=f"tinkerd-{name}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
