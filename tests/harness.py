@@ -37,6 +37,8 @@ class Stack:
     env_overrides: dict[str, str] = field(default_factory=dict)
     gateways: int = 1
     """Gateway replicas (children `gateway`, `gateway-1`, ...), each on its own port (`base_urls`)."""
+    child_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Variables for one child only, by name (a fault point in one gateway replica)."""
     nats_nodes: int = 1
     """1: one supervised nats-server; 3: a JetStream cluster (`cluster`), streams with 3 replicas."""
     supervised_nats: SupervisedNats | None = None
@@ -131,6 +133,8 @@ class Stack:
             child_env = {
                 name: {"TINKERD_GATEWAY_PORT": str(port)} for name, port in zip(self.gateway_names, self.ports, strict=True)
             }
+        for name, extra in self.child_env.items():
+            child_env[name] = {**child_env.get(name, {}), **extra}
         self.services = names
         self._ready = {name: threading.Event() for name in self.services}
         echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
