@@ -11,10 +11,11 @@ and bucket with 3 replicas). Raw HTTP (JSON bodies) pins sizes and replicas.
 2. Gateway failover: kill -9 of replica 0; a client that fails over to the next replica on a
    refused connection or a 5xx measures the time from the kill to (a) its first answered request
    (a retrieve_future of a known result) and (b) the result of a new forward_backward.
-3. NATS node failover: kill -9 of the node leading the requests stream; the time until the stream
-   reports a new leader (polled every 20 ms through the other nodes), until the cluster's
-   metadata leader is known again when that node held it too, and until a new forward_backward
-   (appended to that stream) has its result.
+3. NATS node failover: kill -9 of the node leading the requests stream; the time until the
+   surviving nodes name a new leader of the stream (asked every 20 ms, 1 s timeout per ask, over
+   a connection made before the kill), until their `/jsz` names a new metadata leader when the
+   killed node held that too, and until a new forward_backward (appended to that stream) has
+   its result.
 
     .venv/bin/python bench/scaleout.py [--quick]
 """
@@ -199,6 +200,42 @@ async def _leader(urls: str, stream: str) -> str | None:
         await bus.close()
 
 
+async def _watch_stream(others: str, old: str, t0_box: list[float], found: dict[str, float], ready: threading.Event) -> None:
+    """Ask the surviving nodes for the stream's leader (1 s timeout per ask) until it changes;
+    record the time the answer naming a new leader arrived."""
+    bus = await Bus.connect(others, "bench-watch")
+    js = bus.nc.jetstream(timeout=1.0)
+    ready.set()
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            try:
+                info = await js.stream_info(s.STREAM_REQUESTS)
+                leader = info.cluster.leader if info.cluster else None
+            except Exception:  # no leader or no quorum yet: asked again
+                leader = None
+            if t0_box and leader and leader != old:
+                found["stream"] = time.monotonic() - t0_box[0]
+                return
+            await asyncio.sleep(0.02)
+    finally:
+        await bus.close()
+
+
+def _run_watch_stream(*args: Any) -> None:
+    asyncio.run(_watch_stream(*args))
+
+
+def _watch_meta(stack: Stack, index: int, old: str, t0_box: list[float], found: dict[str, float]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = meta_leader(stack, index)
+        if t0_box and new and new != old:
+            found["meta"] = time.monotonic() - t0_box[0]
+            return
+        time.sleep(0.02)
+
+
 def nats_failover(stack: Stack, reps: int) -> dict[str, Any]:
     assert stack.cluster is not None
     cluster = stack.cluster
@@ -213,30 +250,22 @@ def nats_failover(stack: Stack, reps: int) -> dict[str, Any]:
         held_meta = meta_leader(stack, -1) == leader
         others = ",".join(u for i, u in enumerate(cluster.urls) if i != index)
         found: dict[str, float] = {}
-
-        def watch(t0: float, index: int = index, leader: str = leader, held_meta: bool = held_meta) -> None:
-            while "stream" not in found or (held_meta and "meta" not in found):
-                now = time.monotonic()
-                if "stream" not in found:
-                    try:
-                        new = asyncio.run(_leader(others, s.STREAM_REQUESTS))
-                    except Exception:  # no quorum yet: asked again
-                        new = None
-                    if new and new != leader:
-                        found["stream"] = now - t0
-                if held_meta and "meta" not in found:
-                    new_meta = meta_leader(stack, index)
-                    if new_meta and new_meta != leader:
-                        found["meta"] = now - t0
-                time.sleep(0.02)
-
+        t0_box: list[float] = []  # set at the kill; the watchers run (and connect) before it
+        ready = threading.Event()
+        watchers = [threading.Thread(target=_run_watch_stream, args=(others, leader, t0_box, found, ready), daemon=True)]
+        if held_meta:
+            meta_args = (stack, index, leader, t0_box, found)
+            watchers.append(threading.Thread(target=_watch_meta, args=meta_args, daemon=True))
+        for watcher in watchers:
+            watcher.start()
+        ready.wait(30)
         cluster.kill(index)
         t0 = time.monotonic()
-        watcher = threading.Thread(target=watch, args=(t0,))
-        watcher.start()
+        t0_box.append(t0)
         client.result(model.fb(1, 8))
         next_result.append(time.monotonic() - t0)
-        watcher.join(120)
+        for watcher in watchers:
+            watcher.join(120)
         elected.append(found.get("stream", float("nan")))
         if held_meta:
             meta.append(found.get("meta", float("nan")))
