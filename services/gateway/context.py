@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
-import msgspec
 from litestar import Litestar, Request
 from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
 from infra.streams import ensure_streams
 from libs.contracts import subjects as s
-from libs.contracts.records import SessionRecord
+from libs.contracts.records import SessionRecord, SigningSecret
 from libs.contracts.results import RequestResult
 from libs.models.hf_cache import install_tokenizer
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
@@ -89,10 +88,6 @@ class Gateway:
             return resolve_base_model(name, self.data_dir, build_missing=False).path == self.model.path
         except ValueError:
             return False
-
-
-class SigningSecret(msgspec.Struct, frozen=True):
-    secret_hex: str
 
 
 async def shared_signing_secret(store: Store, candidate: bytes) -> bytes:
