@@ -37,7 +37,7 @@ def test_fetch_loop_fetches_again_after_a_jetstream_error_and_delivers_the_next_
         handled: list[list[str]] = []
         sub = FlakySub(nats.js.errors.ServiceUnavailableError(), ["m1", "m2"])
 
-        async def handle(msgs: list[str]) -> None:
+        async def handle(msgs: list[Any]) -> None:
             handled.append(msgs)
             stop.set()
 
