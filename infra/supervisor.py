@@ -39,6 +39,18 @@ def gateway_names(replicas: int) -> tuple[str, ...]:
     return ("gateway", *(f"gateway-{i}" for i in range(1, replicas)))
 
 
+def with_gateway_replicas(
+    services: tuple[str, ...], gateways: int, port: int
+) -> tuple[tuple[str, ...], dict[str, dict[str, str]]]:
+    """`services` with `gateway` replaced by `gateways` replicas on ports `port`, `port + 1`, ...,
+    and each replica's port variable (for `Supervisor(child_env=...)`)."""
+    if "gateway" not in services or gateways <= 1:
+        return services, {}
+    names = gateway_names(gateways)
+    child_env = {name: {"TINKERD_GATEWAY_PORT": str(port + i)} for i, name in enumerate(names)}
+    return tuple(n for n in services if n != "gateway") + names, child_env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -329,11 +341,7 @@ def up(
         "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
         **(extra_env or {}),
     }
-    child_env: dict[str, dict[str, str]] = {}
-    if "gateway" in services and gateways > 1:
-        names = gateway_names(gateways)
-        services = tuple(n for n in services if n != "gateway") + names
-        child_env = {name: {"TINKERD_GATEWAY_PORT": str(port + i)} for i, name in enumerate(names)}
+    services, child_env = with_gateway_replicas(services, gateways, port)
     supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run", child_env=child_env)
 
     def on_signal(signum: int, _frame: object) -> None:
