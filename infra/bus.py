@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -50,11 +51,14 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
+        """`url` may list several servers, comma-separated (a cluster's nodes): the client connects
+        to one of them and, when it is lost, reconnects to any other (without end)."""
+
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
 
         nc = await nats.connect(
-            url,
+            [u.strip() for u in url.split(",") if u.strip()],
             name=f"tinkerd-{name}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -151,7 +155,22 @@ async def fetch_loop(
             continue
         except nats.errors.ConnectionClosedError:
             return
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            await fetch_failed(exc, stop)
+            continue
         await handle(msgs)
+
+
+FETCH_RETRY_S = 0.5
+
+
+async def fetch_failed(exc: Exception, stop: asyncio.Event) -> None:
+    """A fetch failed for a passing reason: the consumer's leader is moving to another cluster
+    node (a node died), the server is reconnecting, JetStream has no quorum for a moment. Log it
+    and let the caller fetch again after FETCH_RETRY_S (sooner if `stop` is set)."""
+    log.warning("fetch failed (%s: %s); fetching again in %.1f s", type(exc).__name__, exc, FETCH_RETRY_S)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), FETCH_RETRY_S)
 
 
 async def replay(

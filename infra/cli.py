@@ -27,6 +27,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     unknown = set(services) - set(SERVICES)
     if unknown:
         raise SystemExit(f"unknown services {sorted(unknown)}; choose from {SERVICES}")
+    if args.gateways < 1:
+        raise SystemExit(f"--gateways must be at least 1, got {args.gateways}")
     return up(
         data_dir=Path(args.data_dir).expanduser().resolve(),
         host=args.host,
@@ -34,6 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         base_model=args.base_model,
         nats_url=args.nats,
         services=services,
+        gateways=args.gateways,
     )
 
 
@@ -95,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--base-model", default=os.environ.get("TINKERD_BASE_MODEL", "tiny-qwen3"))
     up.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
     up.add_argument("--services", default=None, help="comma-separated subset to run")
+    up.add_argument(
+        "--gateways", type=int, default=1, help="gateway replicas, on --port, --port + 1, ... (default 1)"
+    )
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (for compose and clusters)")

@@ -19,6 +19,7 @@ from pathlib import Path
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
 _MONITOR = re.compile(r"Starting http monitor on ([0-9.]+):(\d+)")
 _READY = "Server is ready"
+_META_LEADER = re.compile(r"JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader")
 
 SERVER_CONFIG = """\
 max_payload: 8MB
@@ -26,6 +27,14 @@ jetstream {{
   store_dir: "{store}"
   max_memory_store: 256MB
   sync_interval: {sync}
+}}
+"""
+CLUSTER_CONFIG = """\
+server_name: {name}
+cluster {{
+  name: {cluster}
+  listen: "{host}:{cluster_port}"
+  routes: [{routes}]
 }}
 """
 DEFAULT_SYNC_INTERVAL = "2m"
@@ -84,6 +93,7 @@ def start_nats(
     ready_timeout_s: float = 30.0,
     log_sink: Path | None = None,
     sync_interval: str | None = None,
+    cluster: ClusterNode | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream storing under `data_dir`, and wait until it is ready.
 
@@ -95,13 +105,21 @@ def start_nats(
         ready_timeout_s: give up (and kill the server) if it is not ready by then.
         log_sink: append the server's log lines to this file as well.
         sync_interval: JetStream's fsync interval (see DEFAULT_SYNC_INTERVAL).
+        cluster: this server's place in a JetStream cluster (see `NatsCluster`); readiness then
+            also waits for the cluster to have a metadata leader.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     conf = data_dir / "nats-server.conf"
     sync = sync_interval or os.environ.get("TINKERD_NATS_SYNC_INTERVAL") or DEFAULT_SYNC_INTERVAL
     if not re.fullmatch(r"always|\d+(ms|s|m|h)", sync):
         raise ValueError(f"TINKERD_NATS_SYNC_INTERVAL must be `always` or a duration like 10s, got {sync!r}")
-    conf.write_text(SERVER_CONFIG.format(store=str(data_dir / "jetstream"), sync=sync))
+    text = SERVER_CONFIG.format(store=str(data_dir / "jetstream"), sync=sync)
+    if cluster is not None:
+        routes = ", ".join(f'"nats-route://{host}:{p}"' for p in cluster.route_ports)
+        text += CLUSTER_CONFIG.format(
+            name=cluster.name, cluster=cluster.cluster, host=host, cluster_port=cluster.port, routes=routes
+        )
+    conf.write_text(text)
     cmd = [server_binary(), "-c", str(conf), "-a", host, "-p", str(port)]
     if monitor:
         cmd += ["-m", "-1"]
@@ -125,8 +143,10 @@ def start_nats(
                 found["url"] = f"nats://{m.group(1)}:{m.group(2)}"
             if m := _MONITOR.search(line):
                 found["monitor"] = f"http://{m.group(1)}:{m.group(2)}"
-            if _READY in line:
+            if _READY in line and cluster is None:
                 ready.set()
+            if cluster is not None and _META_LEADER.search(line):
+                ready.set()  # a clustered server serves JetStream once the cluster has a leader
         ready.set()  # the process ended: unblock the waiter, which then reports the failure
 
     threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
@@ -134,6 +154,90 @@ def start_nats(
         process.kill()
         raise RuntimeError("nats-server did not start:\n" + "\n".join(lines[-20:]))
     return NatsServer(process, found["url"], found.get("monitor"), data_dir, lines)
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One server of a cluster: its name, its route port, and the route ports of all the nodes."""
+
+    name: str
+    port: int
+    route_ports: tuple[int, ...]
+    cluster: str = "tinkerd"
+
+
+class NatsCluster:
+    """A JetStream cluster of `size` nats-servers on loopback (tests, benches, `tinkerd up`).
+
+    Every node keeps its client and route port and its store across `kill` / `restart`, so
+    clients given all the URLs (`url`, comma-separated) reconnect to whichever nodes are up.
+    Streams and buckets are replicated only when created with `TINKERD_NATS_REPLICAS` (3 here).
+    """
+
+    def __init__(self, data_dir: Path, size: int = 3, sync_interval: str | None = None) -> None:
+        from infra.supervisor import free_port  # (supervisor imports this module)
+
+        self.data_dir = data_dir
+        self.sync_interval = sync_interval
+        self.client_ports = [free_port() for _ in range(size)]
+        route_ports = tuple(free_port() for _ in range(size))
+        self.nodes = [ClusterNode(f"n{i}", route_ports[i], route_ports) for i in range(size)]
+        self.servers: list[NatsServer | None] = [None] * size
+
+    def start(self) -> NatsCluster:
+        """Start every node (in parallel: none is ready before a quorum has formed)."""
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                self.restart(i)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(self.nodes))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        return self
+
+    def restart(self, i: int) -> NatsServer:
+        """Start node `i` (again) on its ports and store."""
+        server = start_nats(
+            self.data_dir / self.nodes[i].name,
+            port=self.client_ports[i],
+            sync_interval=self.sync_interval,
+            cluster=self.nodes[i],
+            ready_timeout_s=60.0,
+        )
+        self.servers[i] = server
+        return server
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{port}" for port in self.client_ports]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated (what `TINKERD_NATS_URL` takes)."""
+        return ",".join(self.urls)
+
+    def kill(self, i: int) -> None:
+        """kill -9 node `i` (it stays down until `restart(i)`)."""
+        server = self.servers[i]
+        if server is not None:
+            server.kill()
+
+    def index_of(self, name: str) -> int:
+        return [node.name for node in self.nodes].index(name)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            if server is not None:
+                server.stop()
 
 
 def main() -> None:

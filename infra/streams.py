@@ -29,6 +29,22 @@ from libs.contracts import subjects as s
 DAY_S = 86_400.0
 
 
+def replicas_from_env() -> int:
+    """How many copies JetStream keeps of every stream, bucket and object store.
+
+    `TINKERD_NATS_REPLICAS`: 1 (the default) for a single nats-server, 3 on a 3-node cluster (each
+    write is then acknowledged once a majority of the nodes hold it, so one node can be lost).
+    """
+    raw = os.environ.get("TINKERD_NATS_REPLICAS", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"TINKERD_NATS_REPLICAS must be an integer from 1 to 5, got {raw!r}") from None
+    if not 1 <= value <= 5:
+        raise ValueError(f"TINKERD_NATS_REPLICAS must be an integer from 1 to 5, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Retention:
     """How long each stream keeps its messages (seconds); `TINKERD_RETENTION_<FIELD>` overrides."""
@@ -50,9 +66,10 @@ class Retention:
         return cls(**values)
 
 
-def stream_configs(r: Retention) -> list[StreamConfig]:
+def stream_configs(r: Retention, replicas: int = 1) -> list[StreamConfig]:
     def log(name: str, subject: str) -> StreamConfig:
         return StreamConfig(
+            num_replicas=replicas,
             name=name,
             subjects=[subject],
             retention=RetentionPolicy.LIMITS,
@@ -70,6 +87,7 @@ def stream_configs(r: Retention) -> list[StreamConfig]:
         log(s.STREAM_PUBLISH, s.PUBLISH_ALL),
         StreamConfig(
             name=s.STREAM_RESULTS,
+            num_replicas=replicas,
             subjects=[s.RESULTS_ALL],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
@@ -80,6 +98,7 @@ def stream_configs(r: Retention) -> list[StreamConfig]:
         ),
         StreamConfig(
             name=s.STREAM_SAMPLES,
+            num_replicas=replicas,
             subjects=[s.SAMPLES_ALL],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
@@ -88,6 +107,7 @@ def stream_configs(r: Retention) -> list[StreamConfig]:
         ),
         StreamConfig(
             name=s.STREAM_EVENTS,
+            num_replicas=replicas,
             subjects=[s.EVENTS_ALL],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
@@ -142,30 +162,39 @@ def sample_runner_durable(ack_wait_s: float) -> Durable:
     return _durable(s.STREAM_SAMPLES, s.DURABLE_SAMPLE_RUNNERS, s.SAMPLES_ALL, ack_wait_s, 10_000)
 
 
-def bucket_configs(r: Retention) -> list[KeyValueConfig]:
+def bucket_configs(r: Retention, replicas: int = 1) -> list[KeyValueConfig]:
     configs = []
     for bucket in s.ALL_BUCKETS:
         ttl = r.trainer_ttl_s if bucket == s.KV_TRAINERS else None
-        configs.append(KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE))
+        configs.append(
+            KeyValueConfig(bucket=bucket, history=1, ttl=ttl, storage=StorageType.FILE, replicas=replicas)
+        )
     return configs
 
 
-async def ensure_streams(js: JetStreamContext, retention: Retention | None = None) -> None:
-    """Create (or update in place) every stream and bucket. Safe to run from many processes."""
+async def ensure_streams(
+    js: JetStreamContext, retention: Retention | None = None, replicas: int | None = None
+) -> None:
+    """Create (or update in place) every stream and bucket. Safe to run from many processes.
+
+    `replicas` (default `TINKERD_NATS_REPLICAS`) applies to what is created; an existing stream
+    is also scaled to it in place, buckets and the object store keep the count they were made with.
+    """
     r = retention or Retention.from_env()
-    for config in stream_configs(r):
+    n = replicas or replicas_from_env()
+    for config in stream_configs(r, n):
         try:
             await js.add_stream(config)
         except nats.js.errors.BadRequestError:
             await js.update_stream(config)  # exists with other settings: converge to ours
-    for kv in bucket_configs(r):
+    for kv in bucket_configs(r, n):
         try:
             await js.create_key_value(kv)
         except nats.js.errors.BadRequestError:
             pass  # exists; KV settings never change after creation
     try:
         # nats-py overwrites config.bucket with its `bucket` argument: pass both
-        store = ObjectStoreConfig(bucket=s.OBJ_SNAPSHOTS, storage=StorageType.FILE)
+        store = ObjectStoreConfig(bucket=s.OBJ_SNAPSHOTS, storage=StorageType.FILE, replicas=n)
         await js.create_object_store(s.OBJ_SNAPSHOTS, store)
     except nats.js.errors.BadRequestError:
         pass  # exists

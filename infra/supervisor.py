@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +27,28 @@ from infra.natsd import NatsServer, start_nats
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
+
+
+def service_of(name: str) -> str:
+    """The service a child runs: `gateway-1` (a second gateway replica) runs `gateway`."""
+    return name.split("-", 1)[0]
+
+
+def gateway_names(replicas: int) -> tuple[str, ...]:
+    """The children of `replicas` gateway replicas: `gateway`, then `gateway-1`, `gateway-2`, ..."""
+    return ("gateway", *(f"gateway-{i}" for i in range(1, replicas)))
+
+
+def with_gateway_replicas(
+    services: tuple[str, ...], gateways: int, port: int
+) -> tuple[tuple[str, ...], dict[str, dict[str, str]]]:
+    """`services` with `gateway` replaced by `gateways` replicas on ports `port`, `port + 1`, ...,
+    and each replica's port variable (for `Supervisor(child_env=...)`)."""
+    if "gateway" not in services or gateways <= 1:
+        return services, {}
+    names = gateway_names(gateways)
+    child_env = {name: {"TINKERD_GATEWAY_PORT": str(port + i)} for i, name in enumerate(names)}
+    return tuple(n for n in services if n != "gateway") + names, child_env
 
 
 def free_port() -> int:
@@ -38,7 +60,7 @@ def free_port() -> int:
 def _prefix(name: str) -> str:
     label = f"{name:<9}|"
     if sys.stdout.isatty():
-        return f"\033[{COLORS.get(name, 37)}m{label}\033[0m "
+        return f"\033[{COLORS.get(service_of(name), 37)}m{label}\033[0m "
     return label + " "
 
 
@@ -109,11 +131,14 @@ class Supervisor:
         echo: bool = True,
         nats: SupervisedNats | None = None,
         run_dir: Path | None = None,
+        child_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         """`nats`: a started embedded server to keep alive; `run_dir`: where liveness files go
-        (None: no liveness checks)."""
+        (None: no liveness checks); `child_env`: variables of one child over `env` (a gateway
+        replica's port). A child named `SERVICE-N` runs SERVICE (`service_of`)."""
         self.env = env
-        self.children = {name: Child(name, env) for name in services}
+        extra = child_env or {}
+        self.children = {name: Child(name, {**env, **extra.get(name, {})}) for name in services}
         self.exits: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
@@ -125,7 +150,7 @@ class Supervisor:
             run_dir.mkdir(parents=True, exist_ok=True)
             for child in self.children.values():
                 child.liveness = run_dir / f"{child.name}.alive"
-                child.env = {**env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
+                child.env = {**child.env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
         self._print_lock = threading.Lock()
 
     def say(self, name: str, line: str) -> None:
@@ -138,7 +163,7 @@ class Supervisor:
             sys.stdout.flush()
 
     def start(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "infra.cli", "serve", child.name]
+        cmd = [sys.executable, "-m", "infra.cli", "serve", service_of(child.name)]
         if child.liveness is not None:
             child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
         child.process = subprocess.Popen(
@@ -282,8 +307,12 @@ def up(
     nats_url: str | None,
     services: tuple[str, ...] = SERVICES,
     extra_env: dict[str, str] | None = None,
+    gateways: int = 1,
 ) -> int:
-    """Run the stack in the foreground until Ctrl-C. Returns the exit code."""
+    """Run the stack in the foreground until Ctrl-C. Returns the exit code.
+
+    `gateways` > 1 runs that many gateway replicas on ports `port`, `port + 1`, ... (put a load
+    balancer in front: any replica answers any request)."""
     from libs.models.registry import resolve_base_model
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +341,8 @@ def up(
         "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
         **(extra_env or {}),
     }
-    supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run")
+    services, child_env = with_gateway_replicas(services, gateways, port)
+    supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run", child_env=child_env)
 
     def on_signal(signum: int, _frame: object) -> None:
         supervisor.stopping.set()

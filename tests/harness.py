@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.natsd import NatsServer
-from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port
+from infra.natsd import NatsCluster, NatsServer
+from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port, gateway_names, service_of
 
 READY_MARKERS = {
     "gateway": "gateway ready on",
@@ -35,7 +35,15 @@ class Stack:
     data_dir: Path
     services: tuple[str, ...] = SERVICES
     env_overrides: dict[str, str] = field(default_factory=dict)
+    gateways: int = 1
+    """Gateway replicas (children `gateway`, `gateway-1`, ...), each on its own port (`base_urls`)."""
+    child_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Variables for one child only, by name (a fault point in one gateway replica)."""
+    nats_nodes: int = 1
+    """1: one supervised nats-server; 3: a JetStream cluster (`cluster`), streams with 3 replicas."""
     supervised_nats: SupervisedNats | None = None
+    cluster: NatsCluster | None = None
+    ports: list[int] = field(default_factory=list)
     supervisor: Supervisor | None = None
     port: int = 0
     sampler_port: int = 0
@@ -49,6 +57,15 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def base_urls(self) -> list[str]:
+        """Every gateway replica's URL, in the order of `gateway_names`."""
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    @property
+    def gateway_names(self) -> tuple[str, ...]:
+        return gateway_names(self.gateways)
+
+    @property
     def sampler_url(self) -> str:
         """The sampling engine, as the gateway reaches it."""
         return f"http://127.0.0.1:{self.sampler_port}"
@@ -60,12 +77,15 @@ class Stack:
 
     @property
     def nats_url(self) -> str:
+        """The server's URL, or every cluster node's, comma-separated."""
+        if self.cluster is not None:
+            return self.cluster.url
         assert self.supervised_nats is not None
         return self.supervised_nats.url
 
     def _on_line(self, service: str, line: str) -> None:
         self.logs[service].append(line)
-        if READY_MARKERS[service] in line and service in self._ready:
+        if READY_MARKERS[service_of(service)] in line and service in self._ready:
             self._ready[service].set()
         for listener in self.listeners:
             listener(service, line)
@@ -75,9 +95,15 @@ class Stack:
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         model = resolve_base_model("tiny-qwen3", self.data_dir)
-        self.supervised_nats = SupervisedNats(self.data_dir / "nats")
-        self.supervised_nats.start()
-        self.port = free_port()
+        replication: dict[str, str] = {}
+        if self.nats_nodes > 1:
+            self.cluster = NatsCluster(self.data_dir / "nats", size=self.nats_nodes).start()
+            replication["TINKERD_NATS_REPLICAS"] = str(self.nats_nodes)
+        else:
+            self.supervised_nats = SupervisedNats(self.data_dir / "nats")
+            self.supervised_nats.start()
+        self.ports = [free_port() for _ in range(self.gateways)]
+        self.port = self.ports[0]
         self.sampler_port = sampler_port = free_port()
         env = {
             **os.environ,
@@ -97,8 +123,19 @@ class Stack:
             "TINKERD_MAX_LORA_RANK": "32",
             "TINKERD_TRACE_EXPORTER": "jsonl",
             "TINKERD_TRACE_FILE": str(self.data_dir / "traces-{service}.jsonl"),
+            **replication,
             **self.env_overrides,
         }
+        names = self.services
+        child_env: dict[str, dict[str, str]] = {}
+        if "gateway" in self.services and self.gateways > 1:
+            names = tuple(n for n in self.services if n != "gateway") + self.gateway_names
+            child_env = {
+                name: {"TINKERD_GATEWAY_PORT": str(port)} for name, port in zip(self.gateway_names, self.ports, strict=True)
+            }
+        for name, extra in self.child_env.items():
+            child_env[name] = {**child_env.get(name, {}), **extra}
+        self.services = names
         self._ready = {name: threading.Event() for name in self.services}
         echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
         self.supervisor = Supervisor(
@@ -108,6 +145,7 @@ class Stack:
             echo=echo,
             nats=self.supervised_nats,
             run_dir=self.data_dir / "run",
+            child_env=child_env,
         )
         self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
         self._thread.start()
@@ -158,6 +196,16 @@ class Stack:
             os.killpg(child.process.pid, sig)
         return self._ready[service]
 
+    def kill_nats_node(self, index: int) -> None:
+        """kill -9 one node of the cluster; it stays down until `restart_nats_node`."""
+        assert self.cluster is not None, "kill_nats_node needs a stack with nats_nodes > 1"
+        self.cluster.kill(index)
+
+    def restart_nats_node(self, index: int) -> None:
+        """Start a killed cluster node again on its ports and store (returns once it is ready)."""
+        assert self.cluster is not None
+        self.cluster.restart(index)
+
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stopping.set()
@@ -166,6 +214,8 @@ class Stack:
             self._thread.join(timeout=30)
         if self.supervised_nats is not None:
             self.supervised_nats.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     def spans(self) -> list[dict[str, object]]:
         """Every span the services have finished so far (they export synchronously)."""

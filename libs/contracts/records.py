@@ -113,3 +113,10 @@ class ModelQueueRecord(msgspec.Struct, kw_only=True, frozen=True):
     waiting_for_seq: int | None = None
     closed: bool = False
     paged: bool = False  # its training state is in the trainer's page store (it holds no slot)
+
+
+class SigningSecret(msgspec.Struct, frozen=True):
+    """The gateways' shared signing secret (KV `tinker_gateway`, key `signing_secret`), used when
+    `TINKERD_GATEWAY_SIGNING_SECRET` is unset: created once by the first replica to start."""
+
+    secret_hex: str

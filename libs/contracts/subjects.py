@@ -71,10 +71,26 @@ waiting for an engine; try_again reports it."""
 KV_PLANNER = "tinker_planner"
 """Per-model planner summary (slot, queue depth, missing seq_id) for operators."""
 
+KV_GATEWAY = "tinker_gateway"
+"""What every gateway replica must agree on: `signing_secret` (made once by the first replica
+when `TINKERD_GATEWAY_SIGNING_SECRET` is unset), so a JWT or a signed download URL minted by
+one replica is accepted by all of them."""
+
 OBJ_SNAPSHOTS = "tinker_snapshots"
 """Object store: the planner's state at known stream positions (services/planner/snapshot.py)."""
 
-ALL_BUCKETS = (KV_SESSIONS, KV_MODELS, KV_SEQ, KV_SAMPLERS, KV_SAMPLE_SEQ, KV_CHECKPOINTS, KV_TRAINERS, KV_QUEUE, KV_PLANNER)
+ALL_BUCKETS = (
+    KV_SESSIONS,
+    KV_MODELS,
+    KV_SEQ,
+    KV_SAMPLERS,
+    KV_SAMPLE_SEQ,
+    KV_CHECKPOINTS,
+    KV_TRAINERS,
+    KV_QUEUE,
+    KV_PLANNER,
+    KV_GATEWAY,
+)
 
 def request_subject(model_id: str) -> str:
     """The per-model subject that carries a model's accepted commands in seq_id order."""

@@ -1,7 +1,9 @@
 """Overload control, decided before a seq_id is consumed: 429 with Retry-After.
 
 Counts are this replica's own view (requests it accepted and has not yet seen complete), which
-is exact for one gateway and conservative per replica behind a load balancer.
+is exact for one gateway; with N replicas behind a load balancer each enforces the limits on its
+own share, so together they admit up to N times each limit (docs/operations.md, "Gateway
+replicas"). Nothing here decides correctness: claims in KV do.
 """
 
 from __future__ import annotations

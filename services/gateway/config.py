@@ -32,7 +32,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     public_url: str | None = None
     """How clients reach this gateway (for signed download URLs); defaults to http://host:port."""
     signing_secret: str | None = None
-    """Secret for signed download URLs and JWTs; a random one per process when unset."""
+    """Secret for signed download URLs and JWTs. When unset, the first gateway replica stores a
+    random one in KV `tinker_gateway` and every replica uses it (tokens and URLs work at any)."""
     jwt_auth: bool = False
     """Tell SDKs `pjwt_auth_enabled`: they exchange their key for a short-lived JWT
     (`POST /api/v1/auth/token`) and `RestClient.whoami` works. API keys keep working."""

@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
 from infra.streams import ensure_streams
-from libs.contracts.records import SessionRecord
+from libs.contracts import subjects as s
+from libs.contracts.records import SessionRecord, SigningSecret
 from libs.contracts.results import RequestResult
 from libs.models.hf_cache import install_tokenizer
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
@@ -89,6 +90,15 @@ class Gateway:
             return False
 
 
+async def shared_signing_secret(store: Store, candidate: bytes) -> bytes:
+    """The deployment's signing secret: the first replica to start stores its random one
+    (a create-only write, so exactly one wins) and every replica uses what is stored."""
+    _, stored = await store.create(
+        s.KV_GATEWAY, "signing_secret", SigningSecret(candidate.hex()), SigningSecret
+    )
+    return bytes.fromhex(stored.secret_hex)
+
+
 def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
     @asynccontextmanager
     async def run(app: Litestar) -> AsyncIterator[None]:
@@ -113,6 +123,8 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
+            else:
+                gateway.signing_secret = await shared_signing_secret(gateway.store, gateway.signing_secret)
             from services.gateway.sample_runner import SampleRunner  # it needs Gateway from here
             from services.gateway.session_lifecycle import SessionLifecycle
 

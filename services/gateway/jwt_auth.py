@@ -2,9 +2,10 @@
 
 With `jwt_auth` on, the SDK exchanges its `tml-` key once for a JWT and then sends the JWT in
 `X-API-Key` (refreshing it at half its lifetime). The token is HS256 over the gateway's
-`signing_secret`, so every replica sharing that secret accepts it; with a random per-process secret
-a token is valid only at the replica that minted it, and the SDK, told `invalid_token`, simply
-exchanges its key again. API keys are accepted beside JWTs either way.
+`signing_secret`, which every replica shares (configured, or the random one the first replica
+stored in KV `tinker_gateway`), so a token minted by one replica is accepted by all; should the
+secret change, the SDK, told `invalid_token`, simply exchanges its key again. API keys are
+accepted beside JWTs either way.
 
 Claims: `sub` (the principal's URN), `org_id` (the tenant), `email` (empty: keys are not users),
 `kid` (the key's digest prefix), `iat`, `exp`. `RestClient.whoami` reads `sub` and `org_id`.

@@ -24,6 +24,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from infra.bus import fetch_failed
 from infra.streams import sample_runner_durable
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -98,6 +99,10 @@ class SampleRunner:
             except nats.errors.ConnectionClosedError:
                 self.slots.release()
                 return
+            except (nats.errors.Error, nats.js.errors.Error) as exc:  # a leader moving, a reconnect
+                self.slots.release()
+                await fetch_failed(exc, self.stop)
+                continue
             for msg in msgs:
                 task = asyncio.create_task(self._handle(msg))
                 self.tasks.add(task)

@@ -37,6 +37,8 @@ from services.trainer.config import load_config as trainer_config
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
 COMPOSE = INFRA / "docker-compose.yml"
+CLUSTER = INFRA / "docker-compose.cluster.yml"
+"""The clustered variant, laid over COMPOSE (`-f docker-compose.yml -f docker-compose.cluster.yml`)."""
 DOCKERFILE = INFRA / "Dockerfile"
 ENV_EXAMPLE = INFRA / "tinkerd.env.example"
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -55,7 +57,7 @@ CONFIGS: dict[str, type[msgspec.Struct]] = {
     "publisher": PublisherConfig,
     "sampler": SamplerConfig,
 }
-PROCESS_WIDE_SOURCES = (ROOT / "infra" / "runner.py", ROOT / "infra" / "tracing.py")
+PROCESS_WIDE_SOURCES = (ROOT / "infra" / "runner.py", ROOT / "infra" / "tracing.py", ROOT / "infra" / "streams.py")
 """Where variables that are not config fields are read (logging, tracing)."""
 
 VARIABLE = re.compile(r"\bTINKERD_[A-Z0-9_]*[A-Z0-9]")
@@ -288,3 +290,34 @@ def test_dockerfile_entrypoint_is_the_tinkerd_console_script() -> None:
     assert '".[gpu]"' in text, "the image installs the project with its `gpu` extra"
     data_dir = env_assignments(ENV_EXAMPLE)["TINKERD_DATA_DIR"]
     assert f"TINKERD_DATA_DIR={data_dir}" in text, "the image's default data dir must match the compose mount"
+
+
+def test_the_cluster_variant_runs_three_routed_jetstream_nodes_and_points_every_service_at_them(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """docker-compose.cluster.yml: `nats`, `nats-2` and `nats-3` are JetStream servers of one
+    cluster, each with its own name, its own store volume and routes to the other two; every
+    Tinkerd service lists all three client URLs and asks for 3 replicas; and the names it
+    overrides exist in the base file."""
+    overlay = yaml.safe_load(CLUSTER.read_text())
+    nodes = {"nats": "n1", "nats-2": "n2", "nats-3": "n3"}
+    merged = {name: {**services.get(name, {}), **overlay["services"][name]} for name in nodes}
+    for name, server_name in nodes.items():
+        words = [str(w) for w in merged[name]["command"]]
+        flags = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+        assert "-js" in words and flags.get("--server_name") == server_name, name
+        assert flags.get("--cluster_name") == "tinkerd" and flags.get("--cluster") == "nats://0.0.0.0:6222", name
+        routes = {urlparse(r).hostname for r in flags["--routes"].split(",")}
+        assert routes == set(nodes) - {name}, f"{name} must route to the two other nodes"
+        stores = [v for v in merged[name]["volumes"] if v.endswith(":/data")]
+        assert len(stores) == 1, name
+    store_volumes = {next(v for v in merged[n]["volumes"] if v.endswith(":/data")) for n in nodes}
+    assert len(store_volumes) == 3, "each node needs its own store volume"
+    for name in TINKERD_SERVICES:
+        assert name in services, f"the overlay overrides {name}, which the base file lacks"
+        env = overlay["services"][name]["environment"]
+        hosts = {urlparse(u).hostname for u in env["TINKERD_NATS_URL"].split(",")}
+        assert hosts == set(nodes), name
+        assert env["TINKERD_NATS_REPLICAS"] == "3", name
+    declared = set(overlay.get("volumes", {})) | {"nats-data"}
+    assert {v.split(":")[0] for v in store_volumes} <= declared
