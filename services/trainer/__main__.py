@@ -11,7 +11,6 @@ from pathlib import Path
 from infra.runner import run_service, setup_logging
 from services.trainer import group
 from services.trainer.config import load_config
-from services.trainer.service import follow_rank, resolve_device, serve
 
 
 def main() -> None:
@@ -24,7 +23,9 @@ def main() -> None:
 
         setup_logging()
         resolve_base_model(config.base_model, Path(config.data_dir).expanduser().resolve())  # once, not per rank
-        sys.exit(group.launch(config.tp, resolve_device(config)))
+        sys.exit(group.launch(config.tp))
+    from services.trainer.service import follow_rank, serve  # torch and megatron: ranks only
+
     if ranked is not None and ranked[0] > 0:
         setup_logging()
         follow_rank(config)

@@ -30,17 +30,18 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+from libs.faults import crash_point
 
-from services.trainer.engine import TrainerEngine
-from services.trainer.parallel import free_port
+if TYPE_CHECKING:  # the launcher stays light: torch is imported by the ranks only
+    from services.trainer.engine import TrainerEngine
 
 log = logging.getLogger("tinkerd.trainer.group")
 
@@ -61,17 +62,17 @@ def rank_env(env: dict[str, str] | os._Environ[str]) -> tuple[int, int] | None:
 
 
 # --- the launcher ---------------------------------------------------------------------------
-def launch(tp: int, device: str, argv: list[str] | None = None) -> int:
+def launch(tp: int, argv: list[str] | None = None) -> int:
     """Start `tp` ranks of this trainer and supervise them as one; returns the exit code.
+
+    On GPU each rank takes the GPU of its ``LOCAL_RANK`` (``init_rank``).
 
     Args:
         tp: the number of ranks (the tensor-parallel size).
-        device: the trainer's device setting; on ``cuda`` each rank gets ``LOCAL_RANK``'s GPU and
-            ``NCCL_NVLS_ENABLE`` defaults to 0 (NVLink SHARP off: see docs/gpu.md).
         argv: the command each rank runs (default: ``python -m infra.cli serve trainer``).
     """
     command = argv or [sys.executable, "-m", "infra.cli", "serve", "trainer"]
-    port = free_port()
+    port = _free_port()
     ranks: list[subprocess.Popen[bytes]] = []
     for rank in range(tp):
         env = dict(os.environ)
@@ -83,8 +84,7 @@ def launch(tp: int, device: str, argv: list[str] | None = None) -> int:
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(tp),
         )
-        if device != "cpu":
-            env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP off unless asked for (docs/gpu.md)
         if rank:
             env.pop("TINKERD_LIVENESS_FILE", None)  # rank 0's event loop speaks for the group
         ranks.append(subprocess.Popen(command, env=env))
@@ -113,10 +113,11 @@ def _wait_group(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event)
             break
     rank, first = by_pid[pid]
     first.returncode = code = os.waitstatus_to_exitcode(status)
-    clean = code == 0
-    if not clean:
-        log.error("rank %d (pid %d) exited with code %d: taking the trainer group down", rank, pid, code)
-    deadline = time.monotonic() + (GRACE_S if clean else 0.0)
+    stopped = stopping.is_set()  # SIGTERM/SIGINT: every rank was told; give them time to finish
+    if not stopped:
+        what = "exited on its own" if code == 0 else f"exited with code {code}"
+        log.error("rank %d (pid %d) %s: taking the trainer group down", rank, pid, what)
+    deadline = time.monotonic() + (GRACE_S if stopped or code == 0 else 0.0)
     for other in ranks:
         if other is first:
             continue
@@ -125,10 +126,15 @@ def _wait_group(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event)
         except subprocess.TimeoutExpired:
             other.kill()  # may be blocked in a collective the dead rank will never join
             other.wait()
-    if clean and not stopping.is_set():
-        log.error("rank %d exited on its own; the trainer group stops", rank)
-        return 1
-    return 0 if clean else (code if code > 0 else 128 - code)
+    if stopped:
+        return 0
+    return code if code > 0 else (1 if code == 0 else 128 - code)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def die_with_parent() -> None:
@@ -149,10 +155,11 @@ def init_rank(device: str, collective_timeout_s: float) -> Any:
     The default group (gloo on CPU, NCCL on GPU) carries the engine's collectives with
     `collective_timeout_s`; the control group (always gloo) carries the broadcast calls.
     """
+    import torch
+    import torch.distributed as dist
+
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        import torch
-
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         backend, init_method="env://", timeout=datetime.timedelta(seconds=collective_timeout_s)
@@ -166,6 +173,38 @@ def _public_methods(engine: TrainerEngine) -> list[str]:
         for name, value in vars(type(engine)).items()
         if not name.startswith("_") and callable(value) and not isinstance(value, (staticmethod, classmethod, property))
     ]
+
+
+BROKEN_EXIT_CODE = 71
+"""A rank's exit code when its group is broken: a peer is gone, or the ranks disagree about
+whether a call succeeded (their states may differ). The group restarts and recovery replays."""
+
+
+def _exit_broken(why: str) -> None:
+    log.error("the trainer group is broken (%s); exiting so that the whole group restarts", why)
+    logging.shutdown()
+    os._exit(BROKEN_EXIT_CODE)
+
+
+def _agree(ok: bool, control: Any) -> bool:
+    """Whether every rank's call succeeded (True) or every rank's failed (False).
+
+    Runs after every call on every rank. A peer that died makes the exchange fail, and ranks that
+    disagree may hold different states: both end this process (``BROKEN_EXIT_CODE``) before any
+    outcome of the call is published, so the unit is delivered again to the restarted group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(ok)], dtype=torch.int64)
+    try:
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=control)
+    except RuntimeError as exc:
+        _exit_broken(f"a rank is gone: {str(exc).splitlines()[0][:200]}")
+    total, world = int(flags.item()), dist.get_world_size()
+    if total not in (0, world):
+        _exit_broken(f"{total} of {world} ranks completed a call the others failed")
+    return total == world
 
 
 class Leader:
@@ -184,24 +223,41 @@ class Leader:
         def call(*args: Any, **kwargs: Any) -> Any:
             if getattr(self.local, "inside", False):
                 return method(*args, **kwargs)
+            import torch.distributed as dist
+
             with self.lock:
                 if self.closed:
                     raise RuntimeError("the trainer group is stopping")
-                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
-                self.local.inside = True
                 try:
-                    return method(*args, **kwargs)
+                    dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control)
+                except RuntimeError as exc:
+                    _exit_broken(f"a rank is gone: {str(exc).splitlines()[0][:200]}")
+                self.local.inside = True
+                failure: BaseException | None = None
+                try:
+                    result = method(*args, **kwargs)
+                except Exception as exc:  # re-raised below if every rank failed alike
+                    failure = exc
                 finally:
                     self.local.inside = False
+                if not _agree(failure is None, self.control):
+                    assert failure is not None
+                    raise failure
+                return result
 
         return call
 
     def close(self) -> None:
         """Tell the followers to exit (rank 0 is stopping)."""
+        import torch.distributed as dist
+
         with self.lock:
             if not self.closed:
                 self.closed = True
-                dist.broadcast_object_list([(STOP, (), {})], src=0, group=self.control)
+                try:
+                    dist.broadcast_object_list([(STOP, (), {})], src=0, group=self.control)
+                except RuntimeError as exc:  # a follower already gone (signalled with the group)
+                    log.info("could not tell every rank to stop (%s); the launcher stops them", exc)
 
 
 def lead(engine: TrainerEngine, control: Any) -> Leader:
@@ -212,20 +268,30 @@ def lead(engine: TrainerEngine, control: Any) -> Leader:
 def follow(engine: TrainerEngine, control: Any) -> None:
     """A follower's loop: run every call rank 0 broadcasts until it says stop.
 
-    An engine call that raises here raised on rank 0 too (same inputs, same checks): rank 0
-    turns it into the unit's outcome; the follower just goes on to the next call.
+    A call that raises here must have raised on rank 0 too (same inputs, same checks): rank 0
+    turns it into the unit's outcome and the follower goes on; ``_agree`` ends the group when
+    the ranks differ.
     """
+    import torch.distributed as dist
+
     rank = dist.get_rank()
     calls = 0
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        try:
+            dist.broadcast_object_list(box, src=0, group=control)
+        except RuntimeError as exc:
+            _exit_broken(f"rank 0 is gone: {str(exc).splitlines()[0][:200]}")
         name, args, kwargs = box[0]
         if name == STOP:
             log.info("rank %d stops after %d calls (rank 0 is stopping)", rank, calls)
             return
         calls += 1
+        crash_point(f"trainer.follower.{name}")  # fault tests: a rank dies inside a call
+        ok = True
         try:
             getattr(engine, name)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - rank 0 sees and reports the same failure
-            log.debug("rank %d: %s raised %s: %s (rank 0 reports it)", rank, name, type(exc).__name__, exc)
+        except Exception as exc:
+            ok = False
+            log.debug("rank %d: %s raised %s: %s", rank, name, type(exc).__name__, exc)
+        _agree(ok, control)

@@ -2,8 +2,9 @@
 driven through the official SDK, against an independent TP=1 run of the same calls.
 
 The stack starts its trainer as `tinkerd serve trainer` with TP=2: the launcher starts two ranks;
-rank 0 consumes the work subject and broadcasts every engine call to rank 1. Killing one rank
-takes the whole group down and the supervisor restarts it (recovery replays). The reference is the
+rank 0 consumes the work subject and broadcasts every engine call to rank 1. A rank dying (a fault
+point kills rank 1 inside a call) takes the whole group down and the supervisor restarts it
+(recovery replays). The reference is the
 same SDK calls on a fresh model with the same seed, run after the trainer was restarted with TP=1.
 """
 
@@ -23,6 +24,7 @@ from tinker import types
 from transformers import AutoConfig
 
 from libs.checkpoints import layout
+from libs.faults import fired
 from tests.harness import Stack
 from tests.numerics import ChainShape, assert_within, gamma
 
@@ -33,19 +35,24 @@ LR = 1e-2
 ADAM = types.AdamParams(learning_rate=LR, eps=1.0)
 TOKENS = 16
 STEPS = 2
+FAULT = "trainer.follower.forward_backward@3:kill"
+"""Rank 1 dies on receiving its third forward_backward call (forward counts: it is one)."""
 GROUP_STARTED = re.compile(r"started trainer group of (\d+) ranks \(pids \[(\d+), (\d+)\]")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    data_dir = tmp_path_factory.mktemp("tp")
     env = {
+        "TINKERD_FAULT_POINTS": FAULT,
+        "TINKERD_FAULT_DIR": str(data_dir / "faults"),
         "TINKERD_TRAINER_TP": "2",
         "TINKERD_TRAINER_DEVICE": "cpu",
         "OMP_NUM_THREADS": "1",  # two ranks on two cores
         "TINKERD_NUM_SLOTS": "4",
         "TINKERD_MAX_LORA_RANK": "8",
     }
-    running = Stack(tmp_path_factory.mktemp("tp"), env_overrides=env).start()
+    running = Stack(data_dir, env_overrides=env).start()
     try:
         yield running
     finally:
@@ -91,7 +98,7 @@ def run_scenario(stack: Stack, api_key: str) -> dict[str, Any]:
     training.save_state("tp").result()
     sampler_path = training.save_weights_for_sampler("tp").result().path
     sample = (
-        training.create_sampling_client(sampler_path)
+        training.create_sampling_client(sampler_path).result()
         .sample(types.ModelInput.from_ints([3, 4, 5]), 1, types.SamplingParams(max_tokens=4, seed=1))
         .result()
     )
@@ -111,27 +118,33 @@ def run_scenario(stack: Stack, api_key: str) -> dict[str, Any]:
     }
 
 
-def test_killing_one_rank_restarts_the_whole_group_and_recovery_replays(stack: Stack) -> None:
-    """kill -9 of rank 1: the launcher takes rank 0 down too (no survivor waits in a collective),
-    the supervisor starts a new two-rank group, and the model trained before the kill gives
-    bit-identical logprobs afterwards (recovery replayed its units on the new group)."""
+def test_a_rank_dying_inside_a_call_restarts_the_group_and_the_unit_succeeds(stack: Stack) -> None:
+    """Rank 1 is killed (fault point) on receiving its third forward_backward call (a forward is one), which
+    rank 0 is already computing: rank 0 publishes no outcome for it (its collective fails, and it
+    exits instead of reporting an error), the launcher takes the group down, the supervisor starts
+    a new two-rank group, the unit is delivered again and the SDK call succeeds; the model trained
+    before the kill gives bit-identical logprobs afterwards (recovery replayed its units)."""
     service = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-tp-kill")
     training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=2).result()
-    training.forward_backward([datum(0)], "cross_entropy").result()
+    training.forward_backward([datum(0)], "cross_entropy").result()  # engine call 1 on rank 1
     training.optim_step(ADAM).result()
-    before = training.forward([datum(1)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-
     old = group_pids(stack)
-    ready = stack.kill_pid("trainer", old[1])
-    assert ready.wait(240), stack.dump_logs()
+    before = training.forward([datum(1)], "cross_entropy").result()  # engine call 2 (forward only)
+    out = training.forward_backward([datum(2)], "cross_entropy").result()  # rank 1 dies in this one
+    assert len(out.loss_fn_outputs) == 1
+    assert fired(FAULT, stack.data_dir / "faults")
     new = group_pids(stack)
     assert set(new).isdisjoint(old)
-    for pid in old:  # both old ranks are gone (rank 0 too), none left behind
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-    assert any("rank 1 (pid" in line and "taking the trainer group down" in line for line in stack.logs["trainer"])
+    for pid in old:  # both old ranks are gone (rank 0 too): none is left waiting in a collective
+        assert not Path(f"/proc/{pid}").exists()
+    logs = stack.logs["trainer"]
+    assert any("rank 1 (pid" in line and "taking the trainer group down" in line for line in logs)
+    assert not any("trainer error" in line for line in logs)
 
-    again = training.forward([datum(1)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    assert np.array_equal(again, before)
+    again = training.forward([datum(1)], "cross_entropy").result()
+    assert np.array_equal(
+        again.loss_fn_outputs[0]["logprobs"].to_numpy(), before.loss_fn_outputs[0]["logprobs"].to_numpy()
+    )
 
 
 def test_tp2_group_matches_an_independent_tp1_run(stack: Stack) -> None:
