@@ -1,0 +1,63 @@
+"""Rank entry points for test_group.py (importable: spawn pickles the target by name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from services.trainer import group
+
+
+class ToyEngine:
+    """Engine-shaped: public methods that enter collectives, as TrainerEngine's do."""
+
+    def total(self, x: float) -> float:
+        """The sum of `x` over the ranks (every rank must call it)."""
+        value = torch.tensor([x])
+        dist.all_reduce(value)
+        return float(value.item())
+
+    def twice(self, x: float) -> float:
+        return self.total(x) + self.total(x)  # calls to itself are not broadcast again
+
+    def reject(self, x: float) -> float:
+        raise ValueError(f"bad x {x}")  # every rank refuses alike: a caller's error
+
+    def die_on_follower(self) -> float:
+        if dist.get_rank() > 0:
+            os._exit(9)  # a rank killed inside a call
+        return self.total(1.0)
+
+    def fail_on_follower(self) -> float:
+        if dist.get_rank() > 0:
+            raise RuntimeError("out of memory")  # only one rank fails: the states may differ
+        return 0.0
+
+
+def run_rank(rank: int, world: int, port: int, out: str, last: str) -> None:
+    """Rank 0 leads: total, twice, reject, then `last`; it writes what it saw to `out`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    control = group.init_rank("cpu", collective_timeout_s=60)
+    engine = ToyEngine()
+    if rank > 0:
+        group.follow(cast(Any, engine), control)
+        sys.exit(0)
+    leader = group.lead(cast(Any, engine), control)
+    seen: dict[str, Any] = {"total": engine.total(2.0), "twice": engine.twice(1.0)}
+    try:
+        engine.reject(3.0)
+    except ValueError as exc:
+        seen["reject"] = str(exc)
+    seen["after_reject"] = engine.total(1.0)
+    Path(out).write_text(json.dumps(seen))
+    if last:
+        seen[last] = getattr(engine, last)()  # must not return: the group is broken
+        Path(out).write_text(json.dumps(seen))
+    leader.close()
+    dist.destroy_process_group()
