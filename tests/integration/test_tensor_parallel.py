@@ -11,6 +11,8 @@ same SDK calls on a fresh model with the same seed, run after the trainer was re
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +185,33 @@ def test_tp2_group_matches_an_independent_tp1_run(stack: Stack) -> None:
         assert_within(got, want, bound, name)
     for sampled in (tp2["sampled"], tp1["sampled"]):
         assert len(sampled) == 1 and len(sampled[0]) == 4
+
+
+TINKERD = [sys.executable, "-m", "infra.cli"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "trainer", "--tp", "0"], "--tp must be a positive integer, got '0'"),
+        (["serve", "trainer", "--tp", "two"], "--tp must be a positive integer, got 'two'"),
+        (["serve", "gateway", "--tp", "2"], "--tp applies to the trainer only"),
+        (["up", "--tp", "-1"], "--tp must be a positive integer, got '-1'"),
+    ],
+)
+def test_a_bad_tp_flag_stops_the_command_naming_it(argv: list[str], message: str) -> None:
+    done = subprocess.run([*TINKERD, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
+
+
+def test_up_passes_its_tp_to_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tinkerd up --tp 2` starts the stack with TINKERD_TRAINER_TP=2 for the trainer it supervises."""
+    import infra.supervisor
+    from infra.cli import parser
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(infra.supervisor, "up", lambda **kwargs: seen.update(kwargs) or 0)
+    args = parser().parse_args(["up", "--tp", "2"])
+    assert args.func(args) == 0
+    assert seen["extra_env"] == {"TINKERD_TRAINER_TP": "2"}
