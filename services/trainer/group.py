@@ -47,6 +47,7 @@ log = logging.getLogger("tinkerd.trainer.group")
 
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 STOP = "__stop__"
+LAUNCHER_PID = "TINKERD_GROUP_LAUNCHER_PID"
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 """The control group's timeout: a follower waits for the next call as long as the group is idle
 (a dead rank is the launcher's to notice, not a timeout's)."""
@@ -85,6 +86,7 @@ def launch(tp: int, argv: list[str] | None = None) -> int:
             LOCAL_WORLD_SIZE=str(tp),
         )
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink SHARP off unless asked for (docs/gpu.md)
+        env[LAUNCHER_PID] = str(os.getpid())
         if rank:
             env.pop("TINKERD_LIVENESS_FILE", None)  # rank 0's event loop speaks for the group
         ranks.append(subprocess.Popen(command, env=env))
@@ -141,10 +143,10 @@ def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (the launcher) dies."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the request took effect
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher and os.getppid() != int(launcher):  # it died before the request took effect
         os._exit(1)
 
 
