@@ -47,10 +47,11 @@ log = logging.getLogger("tinkerd.trainer.group")
 
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 STOP = "__stop__"
+PING = "__ping__"
 LAUNCHER_PID = "TINKERD_GROUP_LAUNCHER_PID"
-IDLE_TIMEOUT = datetime.timedelta(days=365)
-"""The control group's timeout: a follower waits for the next call as long as the group is idle
-(a dead rank is the launcher's to notice, not a timeout's)."""
+PING_EVERY_S = 30.0
+"""An idle rank 0 broadcasts a no-op this often, so that the followers' wait for the next call
+never reaches the control group's timeout while the group is healthy."""
 GRACE_S = 10.0
 """After a clean exit of one rank (a stop), how long the others get to exit by themselves."""
 
@@ -154,8 +155,10 @@ def die_with_parent() -> None:
 def init_rank(device: str, collective_timeout_s: float) -> Any:
     """Join the group described by the torchrun-style variables; returns the control group.
 
-    The default group (gloo on CPU, NCCL on GPU) carries the engine's collectives with
-    `collective_timeout_s`; the control group (always gloo) carries the broadcast calls.
+    The default group (gloo on CPU, NCCL on GPU) carries the engine's collectives; the control
+    group (always gloo) carries the broadcast calls and the agreements. Both time out after
+    `collective_timeout_s`: a rank that froze (alive, not answering) ends the group then, since
+    rank 0 pings the followers while it is idle (``Leader``).
     """
     import torch
     import torch.distributed as dist
@@ -166,7 +169,7 @@ def init_rank(device: str, collective_timeout_s: float) -> Any:
     dist.init_process_group(
         backend, init_method="env://", timeout=datetime.timedelta(seconds=collective_timeout_s)
     )
-    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
 
 
 def _public_methods(engine: TrainerEngine) -> list[str]:
@@ -202,7 +205,7 @@ def _agree(ok: bool, control: Any) -> bool:
     try:
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=control)
     except RuntimeError as exc:
-        _exit_broken(f"a rank is gone: {str(exc).splitlines()[0][:200]}")
+        _exit_broken(f"a rank is gone or frozen: {str(exc).splitlines()[0][:200]}")
     total, world = int(flags.item()), dist.get_world_size()
     if total not in (0, world):
         _exit_broken(f"{total} of {world} ranks completed a call the others failed")
@@ -212,14 +215,30 @@ def _agree(ok: bool, control: Any) -> bool:
 class Leader:
     """Rank 0's side: broadcast each outermost engine call, then run it here."""
 
-    def __init__(self, engine: TrainerEngine, control: Any) -> None:
+    def __init__(self, engine: TrainerEngine, control: Any, ping_every_s: float = PING_EVERY_S) -> None:
         self.engine = engine
         self.control = control
         self.lock = threading.Lock()  # one call at a time, in one order on every rank
         self.local = threading.local()  # calls the engine makes to itself are not broadcast
         self.closed = False
+        self.stopped = threading.Event()
+        self.last_call = time.monotonic()
         for name in _public_methods(engine):
             setattr(engine, name, self._wrap(name, getattr(engine, name)))
+        threading.Thread(target=self._ping, args=(ping_every_s,), name="tp-ping", daemon=True).start()
+
+    def _ping(self, every_s: float) -> None:
+        import torch.distributed as dist
+
+        while not self.stopped.wait(every_s / 2):
+            with self.lock:
+                if self.closed or time.monotonic() - self.last_call < every_s / 2:
+                    continue
+                try:
+                    dist.broadcast_object_list([(PING, (), {})], src=0, group=self.control)
+                except RuntimeError as exc:
+                    _exit_broken(f"a rank is gone or frozen: {str(exc).splitlines()[0][:200]}")
+                self.last_call = time.monotonic()
 
     def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -242,7 +261,9 @@ class Leader:
                     failure = exc
                 finally:
                     self.local.inside = False
-                if not _agree(failure is None, self.control):
+                agreed = _agree(failure is None, self.control)
+                self.last_call = time.monotonic()
+                if not agreed:
                     assert failure is not None
                     raise failure
                 return result
@@ -253,6 +274,7 @@ class Leader:
         """Tell the followers to exit (rank 0 is stopping)."""
         import torch.distributed as dist
 
+        self.stopped.set()
         with self.lock:
             if not self.closed:
                 self.closed = True
@@ -262,9 +284,9 @@ class Leader:
                     log.info("could not tell every rank to stop (%s); the launcher stops them", exc)
 
 
-def lead(engine: TrainerEngine, control: Any) -> Leader:
+def lead(engine: TrainerEngine, control: Any, ping_every_s: float = PING_EVERY_S) -> Leader:
     """Make `engine` (rank 0's) broadcast every public call to the followers."""
-    return Leader(engine, control)
+    return Leader(engine, control, ping_every_s)
 
 
 def follow(engine: TrainerEngine, control: Any) -> None:
@@ -283,8 +305,10 @@ def follow(engine: TrainerEngine, control: Any) -> None:
         try:
             dist.broadcast_object_list(box, src=0, group=control)
         except RuntimeError as exc:
-            _exit_broken(f"rank 0 is gone: {str(exc).splitlines()[0][:200]}")
+            _exit_broken(f"rank 0 is gone or frozen: {str(exc).splitlines()[0][:200]}")
         name, args, kwargs = box[0]
+        if name == PING:
+            continue
         if name == STOP:
             log.info("rank %d stops after %d calls (rank 0 is stopping)", rank, calls)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -12,6 +13,11 @@ import torch
 import torch.distributed as dist
 
 from services.trainer import group
+
+TIMEOUT_S = 5.0
+"""The freeze scenario's collective timeout; rank 0 pings every PING_S while idle."""
+PING_S = 1.0
+FREEZE_S = 3 * TIMEOUT_S
 
 
 class ToyEngine:
@@ -34,6 +40,11 @@ class ToyEngine:
             os._exit(9)  # a rank killed inside a call
         return self.total(1.0)
 
+    def freeze_on_follower(self) -> float:
+        if dist.get_rank() > 0:
+            time.sleep(FREEZE_S)  # alive but not answering, for longer than the group's timeout
+        return self.total(1.0)
+
     def fail_on_follower(self) -> float:
         if dist.get_rank() > 0:
             raise RuntimeError("out of memory")  # only one rank fails: the states may differ
@@ -41,20 +52,27 @@ class ToyEngine:
 
 
 def run_rank(rank: int, world: int, port: int, out: str, last: str) -> None:
-    """Rank 0 leads: total, twice, reject, then `last`; it writes what it saw to `out`."""
+    """Rank 0 leads: total, twice, reject, then `last`; it writes what it saw to `out`.
+
+    Before `freeze_on_follower` the group runs with TIMEOUT_S and stays idle for more than twice
+    that (its pings keep the follower waiting), then makes one more call."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    control = group.init_rank("cpu", collective_timeout_s=60)
+    freeze = last == "freeze_on_follower"
+    control = group.init_rank("cpu", collective_timeout_s=TIMEOUT_S if freeze else 60)
     engine = ToyEngine()
     if rank > 0:
         group.follow(cast(Any, engine), control)
         sys.exit(0)
-    leader = group.lead(cast(Any, engine), control)
+    leader = group.lead(cast(Any, engine), control, ping_every_s=PING_S)
     seen: dict[str, Any] = {"total": engine.total(2.0), "twice": engine.twice(1.0)}
     try:
         engine.reject(3.0)
     except ValueError as exc:
         seen["reject"] = str(exc)
     seen["after_reject"] = engine.total(1.0)
+    if freeze:
+        time.sleep(2.5 * TIMEOUT_S)  # an idle group (no calls): not a synchronisation
+        seen["after_idle"] = engine.total(1.0)
     Path(out).write_text(json.dumps(seen))
     if last:
         seen[last] = getattr(engine, last)()  # must not return: the group is broken

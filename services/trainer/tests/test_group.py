@@ -55,6 +55,16 @@ def test_ranks_that_disagree_about_a_call_both_exit(tmp_path: Path) -> None:
     assert "fail_on_follower" not in seen
 
 
+def test_an_idle_group_lives_on_and_a_frozen_rank_ends_it_after_the_timeout(tmp_path: Path) -> None:
+    """With a 5 s group timeout: rank 0 idle for 12.5 s keeps the follower waiting (its pings),
+    the next call succeeds; then the follower freezes inside a call for 15 s, and rank 0 exits with
+    BROKEN_EXIT_CODE (its collective timed out) without returning; the follower, when it wakes
+    to a gone rank 0, exits the same way."""
+    codes, seen = run_group(tmp_path, last="freeze_on_follower")
+    assert seen["after_idle"] == 2.0 and "freeze_on_follower" not in seen
+    assert codes == [BROKEN_EXIT_CODE, BROKEN_EXIT_CODE]
+
+
 LAUNCHER = textwrap.dedent(
     """
     import logging, sys
