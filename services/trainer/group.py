@@ -21,6 +21,10 @@ does, it kills the others (SIGKILL: a survivor may be blocked in a collective th
 complete) and exits with the dead rank's code, so the supervisor restarts the whole group and
 rank 0's recovery replays exactly as for a one-process trainer.  Every rank also asks the
 kernel to kill it if the launcher dies (``PR_SET_PDEATHSIG``), so no rank outlives its group.
+After every call the ranks agree whether it succeeded (``_agree``); a peer gone mid-call, or
+ranks that disagree, end the rank with ``BROKEN_EXIT_CODE`` before rank 0 can publish anything
+about the call.  Both process groups time out after the trainer's ``unit_timeout_s`` and an idle
+rank 0 pings the followers, so a frozen rank ends the group instead of hanging it.
 """
 
 from __future__ import annotations
