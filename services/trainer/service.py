@@ -273,3 +273,4 @@ async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
         await bus.close()
         if leader is not None:
             await asyncio.to_thread(leader.close)
+            dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort it

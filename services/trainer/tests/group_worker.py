@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -62,7 +61,8 @@ def run_rank(rank: int, world: int, port: int, out: str, last: str) -> None:
     engine = ToyEngine()
     if rank > 0:
         group.follow(cast(Any, engine), control)
-        sys.exit(0)
+        dist.destroy_process_group()  # as services.trainer.service.follow_rank does
+        return
     leader = group.lead(cast(Any, engine), control, ping_every_s=PING_S)
     seen: dict[str, Any] = {"total": engine.total(2.0), "twice": engine.twice(1.0)}
     try:
