@@ -146,13 +146,6 @@ class Stack:
         the supervisor started in its place is ready."""
         return self._signal(service, signal.SIGSTOP)
 
-    def kill_pid(self, service: str, pid: int) -> threading.Event:
-        """kill -9 one process of a service (a rank of a trainer group, say); returns an event set
-        when the service is ready again."""
-        self._ready[service] = threading.Event()
-        os.kill(pid, signal.SIGKILL)
-        return self._ready[service]
-
     def _signal(self, service: str, sig: signal.Signals) -> threading.Event:
         assert self.supervisor is not None
         self._ready[service] = threading.Event()
