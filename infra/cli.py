@@ -37,6 +37,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_url=args.nats,
         services=services,
         gateways=args.gateways,
+        extra_env={"TINKERD_TRAINER_TP": str(args.tp)} if args.tp else None,
     )
 
 
@@ -46,6 +47,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.service not in SERVICES:
         raise SystemExit(f"unknown service {args.service!r}; choose from {SERVICES}")
     os.environ["TINKERD_SERVICE"] = args.service  # names this process's fault points (libs/faults.py)
+    if args.tp is not None:
+        if args.service != "trainer":
+            raise SystemExit("--tp applies to the trainer only")
+        os.environ["TINKERD_TRAINER_TP"] = str(args.tp)
     importlib.import_module(f"services.{args.service}.__main__").main()
     return 0
 
@@ -87,6 +92,16 @@ def cmd_keys_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tp(value: str) -> int:
+    try:
+        tp = int(value)
+    except ValueError:
+        tp = 0
+    if tp < 1:
+        raise argparse.ArgumentTypeError(f"--tp must be a positive integer, got {value!r}")
+    return tp
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinkerd", description="A self-hosted server for the Tinker SDK.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,10 +116,14 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--gateways", type=int, default=1, help="gateway replicas, on --port, --port + 1, ... (default 1)"
     )
+    up.add_argument("--tp", type=_tp, default=None, help="tensor-parallel ranks of the trainer group (default 1)")
     up.set_defaults(func=cmd_up)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (for compose and clusters)")
     serve.add_argument("service")
+    serve.add_argument(
+        "--tp", type=_tp, default=None, help="trainer only: start this many tensor-parallel ranks as one group"
+    )
     serve.set_defaults(func=cmd_serve)
 
     events = sub.add_parser("events", help="print operation events live, one line each")

@@ -19,6 +19,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Defaults to `<group>-<hostname>-<pid>`."""
     num_slots: int = 8
     max_lora_rank: int = 64
+    tp: int = 1
+    """Tensor-parallel size: > 1 makes `tinkerd serve trainer` start that many ranks of one group
+    (services/trainer/group.py). Ignored by a process started with `RANK`/`WORLD_SIZE` set."""
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
     heartbeat_s: float = 5.0

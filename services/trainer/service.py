@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+import torch.distributed as dist
 from nats.aio.msg import Msg
 
 from infra import tracing
@@ -36,6 +37,7 @@ from libs.contracts.records import TrainerStatus
 from libs.contracts.work import BarrierUnit, StepSlot, Unit
 from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
+from services.trainer import group
 from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
@@ -264,33 +266,64 @@ class TrainerService:
             await kv.delete(s.token(self.trainer_id))
 
 
-async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
-    data_dir = Path(config.data_dir).expanduser().resolve()
-    model = resolve_base_model(config.base_model, data_dir)
-    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = await asyncio.to_thread(
-        TrainerEngine,
+def resolve_device(config: TrainerConfig) -> str:
+    return config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_engine(config: TrainerConfig, device: str) -> tuple[TrainerEngine, str]:
+    """This process's engine (its shard, in a TP group) and the base model's name."""
+    model = resolve_base_model(config.base_model, Path(config.data_dir).expanduser().resolve())
+    engine = TrainerEngine(
         EngineConfig(
             base_model_dir=str(model.path),
             num_slots=config.num_slots,
             max_lora_rank=config.max_lora_rank,
             device=device,
-        ),
+        )
     )
+    return engine, model.name
+
+
+def follow_rank(config: TrainerConfig) -> None:
+    """Ranks 1..N-1 of a TP group: no bus, no files; run rank 0's engine calls (group.py)."""
+    group.die_with_parent()
+    device = resolve_device(config)
+    control = group.init_rank(device, config.unit_timeout_s)
+    engine, _ = build_engine(config, device)
+    log.info("rank %d of %d ready (%s); following rank 0", dist.get_rank(), dist.get_world_size(), device)
+    group.follow(engine, control)
+    dist.destroy_process_group()
+
+
+async def serve(config: TrainerConfig, stop: asyncio.Event) -> None:
+    """The trainer: a lone process, or rank 0 of a TP group (the group's only consumer)."""
+    device = resolve_device(config)
+    leader: group.Leader | None = None
+    control = None
+    if group.rank_env(os.environ) is not None:
+        group.die_with_parent()
+        control = await asyncio.to_thread(group.init_rank, device, config.unit_timeout_s)
+    engine, base_model = await asyncio.to_thread(build_engine, config, device)
+    if control is not None:
+        leader = group.lead(engine, control)
     bus = await Bus.connect(config.nats_url, "trainer")
     try:
         await ensure_streams(bus.js)
-        service = TrainerService(bus, config, engine, model.name)
+        service = TrainerService(bus, config, engine, base_model)
         await service.ensure_consumer()
         replayed = await service.recover()
         log.info(
-            "trainer %s ready (%s, %d slots); replayed %d units",
+            "trainer %s ready (%s, %d slots, tp=%d); replayed %d units",
             service.trainer_id,
             device,
             config.num_slots,
+            engine.tp_size,
             replayed,
         )
         service.ready = True
         await service.run(stop)
     finally:
         await bus.close()
+        if leader is not None:
+            await asyncio.to_thread(leader.close)
+            dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort it
