@@ -19,6 +19,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_units_in_flight: int = 1
     """Units emitted ahead of their outcomes; calls arriving meanwhile coalesce into the next
     unit. 1 packs concurrent tenants best; 0 emits every plannable unit at once."""
+    coalesce_ms: float = 25.0
+    """With nothing in flight, a work unit is held back at most this long for the models that were
+    packed with it last time and have not sent their next forward_backward yet; 0: never."""
     gap_timeout_s: float = 120.0
     """A missing seq_id that stays missing this long is sealed as a failure."""
     snapshot_every_s: float = 30.0

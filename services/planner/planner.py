@@ -311,6 +311,18 @@ class Planner:
             units.append(unit)
         return units
 
+    def awaited(self, cohort: frozenset[str]) -> set[str]:
+        """The resident models of `cohort` with no datum ready to issue: the ones whose next
+        forward_backward has not arrived yet (the service may hold a unit back for them)."""
+        awaited = set()
+        for model_id in cohort:
+            stream = self.state.streams.get(model_id)
+            if stream is None or stream.closed or stream.slot is None:
+                continue  # could not join the unit anyway
+            if not any(p.issued < p.num_datums for p in stream.open_window()):
+                awaited.add(model_id)
+        return awaited
+
     def waiting_for_capacity(self) -> list[str]:
         """Request ids that wait for an adapter slot (queue_state paused_capacity): the oldest
         runnable command of each model that holds none while no slot can be freed."""

@@ -68,6 +68,10 @@ class PlannerService:
         self._snapshot_due_ns = 0
         self._slots_known = False  # until the group's trainer reported its slot count
         self._replayed: list[Completion] = []  # finished requests found by the replay
+        # Coalescing (see _holding): the models of the last work unit, and when a hold ends.
+        self._cohort: frozenset[str] = frozenset()
+        self._hold_until_ns = 0
+        self._hold_timers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
@@ -130,6 +134,8 @@ class PlannerService:
         ]
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for timer in list(self._hold_timers):
+            timer.cancel()
         for task in [stopping, *tasks]:
             task.cancel()
         for task in [stopping, *tasks]:
@@ -172,12 +178,49 @@ class PlannerService:
         await self._publish_completions(self.planner.collect())
         if not self._slots_known:
             return  # nothing is planned before the trainer said how many adapter slots it has
-        for unit in self.planner.plan():
-            await self._emit_unit(unit)
+        if not self._holding(now_ns()):
+            for unit in self.planner.plan():
+                await self._emit_unit(unit)
+                if isinstance(unit, WorkUnit):
+                    self._cohort = frozenset(item.model_id for item in unit.items)
+                    self._hold_until_ns = 0
         await self._publish_completions(self.planner.collect())
         await self._publish_queue_state()
         await self._publish_model_summaries()
         await self._maybe_snapshot()
+
+    def _holding(self, now: int) -> bool:
+        """Whether to hold the next work unit back, so that tenants stepping in lockstep share it.
+
+        Eight tenants sending forward_backward at the same moment reach the planner milliseconds
+        apart; planned on arrival, the first would run alone and the other seven after it. So
+        while nothing is in flight and the next unit is a work unit, it waits for the models
+        packed with it last time that have not sent their next call yet: until they all have,
+        or `coalesce_ms` after the hold began. A model that does not come drops out of the
+        cohort with the unit that leaves without it, so a tenant training alone never waits.
+        Timing only: what is decided stays `decide()`'s, and replay never holds.
+        """
+        if (
+            self.config.coalesce_ms <= 0
+            or len(self._cohort) < 2
+            or self.planner.state.inflight
+            or not isinstance(self.planner.decide(), WorkUnit)
+            or not self.planner.awaited(self._cohort)
+        ):
+            self._hold_until_ns = 0
+            return False
+        if self._hold_until_ns == 0:
+            self._hold_until_ns = now + int(self.config.coalesce_ms * 1e6)
+            timer = asyncio.create_task(self._end_hold(self._hold_until_ns))
+            self._hold_timers.add(timer)
+            timer.add_done_callback(self._hold_timers.discard)
+        return now < self._hold_until_ns
+
+    async def _end_hold(self, until_ns: int) -> None:
+        await asyncio.sleep(max(0.0, (until_ns - now_ns()) / 1e9))  # a deadline, not synchronisation
+        async with self._lock:
+            if self._hold_until_ns == until_ns:
+                await self._advance()
 
     async def _maybe_snapshot(self) -> None:
         """Store the state at the current positions, at most every `snapshot_every_s`. Called with

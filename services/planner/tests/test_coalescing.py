@@ -1,0 +1,87 @@
+"""The planner service's hold on a work unit (coalescing lockstep tenants), on its pure inputs.
+
+No NATS: `_holding` reads only the folded state, the config and the clock it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.planner.config import PlannerConfig
+from services.planner.service import PlannerService
+from services.planner.tests.sim import Sim, create, fb, rid
+
+MS = 1_000_000
+
+
+def service_with(sim: Sim, cohort: set[str], coalesce_ms: float = 25.0) -> PlannerService:
+    service = PlannerService(bus=None, config=PlannerConfig(coalesce_ms=coalesce_ms))  # type: ignore[arg-type]
+    service.planner = sim.planner
+    service._cohort = frozenset(cohort)
+    return service
+
+
+def started(*models: str) -> Sim:
+    sim = Sim(num_slots=4)
+    sim.send(*(create(m) for m in models))
+    sim.run()
+    return sim
+
+
+def test_awaited_names_cohort_models_without_ready_datums() -> None:
+    """`awaited` is the cohort's resident models whose next forward_backward has not arrived."""
+    sim = started("a", "b", "c")
+    sim.send(fb("a", 1, [4]))
+    assert sim.planner.awaited(frozenset({"a", "b", "c"})) == {"b", "c"}
+    sim.send(fb("c", 1, [4]))
+    assert sim.planner.awaited(frozenset({"a", "b", "c"})) == {"b"}
+
+
+def test_a_unit_is_held_until_the_cohort_arrives() -> None:
+    """With nothing in flight, the first arrival of a two-model cohort is held; the second
+    arrival ends the hold (the unit would then pack both)."""
+
+    async def scenario() -> None:
+        sim = started("a", "b")
+        service = service_with(sim, {"a", "b"})
+        sim.send(fb("a", 1, [4]))
+        assert service._holding(1_000 * MS)
+        sim.send(fb("b", 1, [3]))
+        assert not service._holding(1_001 * MS)
+        [unit] = sim.plan()
+        assert sorted(item.request_id for item in unit.items) == [rid("a", 1), rid("b", 1)]  # type: ignore[union-attr]
+        for timer in service._hold_timers:
+            timer.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_ends_at_its_deadline() -> None:
+    """A cohort model that does not come holds the unit back for coalesce_ms at most."""
+
+    async def scenario() -> None:
+        sim = started("a", "b")
+        service = service_with(sim, {"a", "b"}, coalesce_ms=25.0)
+        sim.send(fb("a", 1, [4]))
+        assert service._holding(1_000 * MS)
+        assert service._holding(1_024 * MS)
+        assert not service._holding(1_025 * MS)
+        for timer in service._hold_timers:
+            timer.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_tenant_and_a_busy_pipeline_never_hold() -> None:
+    """No hold for a cohort of one, with a unit in flight, or with coalescing off."""
+
+    async def scenario() -> None:
+        sim = started("a", "b")
+        sim.send(fb("a", 1, [4]))
+        assert not service_with(sim, {"a"})._holding(0)
+        assert not service_with(sim, {"a", "b"}, coalesce_ms=0)._holding(0)
+        sim.plan()  # a's unit is now in flight
+        sim.send(fb("a", 2, [4]))
+        assert not service_with(sim, {"a", "b"})._holding(0)
+
+    asyncio.run(scenario())
