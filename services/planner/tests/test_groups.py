@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import msgspec
 
+from libs.contracts.requests import CreateModel
 from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from services.planner.planner import WAIT_GROUP, WAIT_SLOTS, GroupInfo, export_path
 from services.planner.tests.sim import Sim, create, fb, optim, rid, unload
 
 
-def grouped(slots: int = 2, bases: tuple[str, str] = ("tiny-qwen3", "tiny-qwen3"), **kw: int) -> Sim:
-    sim = Sim(num_slots=slots, **kw)
+def grouped(slots: int = 2, bases: tuple[str, str] = ("tiny-qwen3", "tiny-qwen3")) -> Sim:
+    sim = Sim(num_slots=slots)
     sim.planner.groups = {
         "a": GroupInfo(num_slots=slots, base_model=bases[0]),
         "b": GroupInfo(num_slots=slots, base_model=bases[1]),
@@ -19,7 +20,7 @@ def grouped(slots: int = 2, bases: tuple[str, str] = ("tiny-qwen3", "tiny-qwen3"
     return sim
 
 
-def create_on(model: str, base: str) -> object:
+def create_on(model: str, base: str) -> CreateModel:
     return msgspec.structs.replace(create(model), base_model=base)
 
 
@@ -132,13 +133,13 @@ def test_models_are_placed_only_on_groups_of_their_base_model_and_an_unserved_ba
     """Groups a (tiny-qwen3) and b (tiny-wide): each create lands on its base's group, whatever the
     load; a base no group serves waits with WAIT_GROUP; no export happens for a base with one group."""
     sim = grouped(slots=2, bases=("tiny-qwen3", "tiny-wide"))
-    sim.send(create_on("q1", "tiny-qwen3"), create_on("q2", "tiny-qwen3"), create_on("w1", "tiny-wide"))  # type: ignore[arg-type]
+    sim.send(create_on("q1", "tiny-qwen3"), create_on("q2", "tiny-qwen3"), create_on("w1", "tiny-wide"))
     assert placed(sim.run()) == {"q1": "a", "q2": "a", "w1": "b"}
-    sim.send(create_on("q3", "tiny-qwen3"))  # type: ignore[arg-type]
+    sim.send(create_on("q3", "tiny-qwen3"))
     (evict,) = sim.plan()
     assert isinstance(evict, BarrierUnit) and evict.group == "a"
     assert isinstance(evict.ops[0], PageOut) and evict.ops[0].export == ""
     sim.finish(evict)
-    sim.send(create_on("g1", "other-base"))  # type: ignore[arg-type]
+    sim.send(create_on("g1", "other-base"))
     assert sim.plan() == []
     assert sim.planner.waiting() == {rid("g1", 0): WAIT_GROUP}
