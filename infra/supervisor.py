@@ -38,8 +38,43 @@ def free_port() -> int:
 def _prefix(name: str) -> str:
     label = f"{name:<9}|"
     if sys.stdout.isatty():
-        return f"\033[{COLORS.get(name, 37)}m{label}\033[0m "
+        return f"\033[{COLORS.get(service_of(name), 37)}m{label}\033[0m "
     return label + " "
+
+
+def trainer_groups(env: dict[str, str]) -> list[tuple[str, str]]:
+    """`TINKERD_TRAINER_GROUPS`: comma-separated `group[=base_model]` (e.g. `a,b` or
+    `q=tiny-qwen3,w=tiny-wide`): the trainer groups `tinkerd up` starts, one process each. Empty
+    (the default): one group, `TINKERD_TRAINER_GROUP` (else "default"), of the deployment's base."""
+    spec = env.get("TINKERD_TRAINER_GROUPS", "").strip()
+    if not spec:
+        return []
+    groups = []
+    for part in spec.split(","):
+        name, _, base = part.strip().partition("=")
+        if not name:
+            raise SystemExit(f"TINKERD_TRAINER_GROUPS: empty group name in {spec!r}")
+        groups.append((name, base))
+    return groups
+
+
+def expand_services(services: tuple[str, ...], env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Child name -> its environment: `trainer` becomes `trainer@<group>` per configured group."""
+    children: dict[str, dict[str, str]] = {}
+    for name in services:
+        groups = trainer_groups(env) if name == "trainer" else []
+        if not groups:
+            children[name] = env
+            continue
+        for group, base in groups:
+            extra = {"TINKERD_TRAINER_GROUP": group, **({"TINKERD_TRAINER_BASE_MODEL": base} if base else {})}
+            children[f"trainer@{group}"] = {**env, **extra}
+    return children
+
+
+def service_of(child: str) -> str:
+    """The service a child runs (`trainer@a` runs `trainer`)."""
+    return child.partition("@")[0]
 
 
 LIVENESS_TIMEOUT_S = 60.0
@@ -113,7 +148,7 @@ class Supervisor:
         """`nats`: a started embedded server to keep alive; `run_dir`: where liveness files go
         (None: no liveness checks)."""
         self.env = env
-        self.children = {name: Child(name, env) for name in services}
+        self.children = {name: Child(name, child_env) for name, child_env in expand_services(services, env).items()}
         self.exits: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
@@ -125,7 +160,7 @@ class Supervisor:
             run_dir.mkdir(parents=True, exist_ok=True)
             for child in self.children.values():
                 child.liveness = run_dir / f"{child.name}.alive"
-                child.env = {**env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
+                child.env = {**child.env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
         self._print_lock = threading.Lock()
 
     def say(self, name: str, line: str) -> None:
@@ -138,7 +173,7 @@ class Supervisor:
             sys.stdout.flush()
 
     def start(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "infra.cli", "serve", child.name]
+        cmd = [sys.executable, "-m", "infra.cli", "serve", service_of(child.name)]
         if child.liveness is not None:
             child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
         child.process = subprocess.Popen(

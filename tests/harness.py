@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.natsd import NatsServer
-from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port
+from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port, service_of
 
 READY_MARKERS = {
     "gateway": "gateway ready on",
@@ -65,7 +65,7 @@ class Stack:
 
     def _on_line(self, service: str, line: str) -> None:
         self.logs[service].append(line)
-        if READY_MARKERS[service] in line and service in self._ready:
+        if READY_MARKERS[service_of(service)] in line and service in self._ready:
             self._ready[service].set()
         for listener in self.listeners:
             listener(service, line)
@@ -99,7 +99,6 @@ class Stack:
             "TINKERD_TRACE_FILE": str(self.data_dir / "traces-{service}.jsonl"),
             **self.env_overrides,
         }
-        self._ready = {name: threading.Event() for name in self.services}
         echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
         self.supervisor = Supervisor(
             env,
@@ -109,9 +108,11 @@ class Stack:
             nats=self.supervised_nats,
             run_dir=self.data_dir / "run",
         )
+        # one per child: `trainer` is `trainer@<group>` per group of TINKERD_TRAINER_GROUPS
+        self._ready = {name: threading.Event() for name in self.supervisor.children}
         self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
         self._thread.start()
-        self.wait_ready(*self.services)
+        self.wait_ready(*self.supervisor.children)
         return self
 
     def wait_ready(self, *services: str, timeout_s: float = START_TIMEOUT_S) -> None:

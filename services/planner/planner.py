@@ -381,19 +381,19 @@ class Planner:
         self, stream: ModelStream, head: Pending, busy: set[str]
     ) -> tuple[str, int, ModelStream | None] | None:
         """(group, slot, victim to page out first or None) for `stream`, or None if it must wait:
-        a free slot in the first candidate group that has one, else the victim of the first
-        candidate group that has one."""
+        a free slot in the first candidate group that has one, else the best victim of all the
+        candidate groups (idle first, then least recently used: as with one group)."""
         groups = self._candidate_groups(stream, head)
         for group in groups:
             slot = self._free_slot(group)
             if slot is not None:
                 return group, slot, None
-        for group in groups:
-            victim = self._victim(stream, busy, group)
-            if victim is not None:
-                assert victim.slot is not None
-                return group, victim.slot, victim
-        return None
+        victims = [(v, g) for g in groups if (v := self._victim(stream, busy, g)) is not None]
+        if not victims:
+            return None
+        victim, group = min(victims, key=lambda pair: (*self._victim_key(pair[0]), groups.index(pair[1])))
+        assert victim.slot is not None
+        return group, victim.slot, victim
 
     def _exports(self, stream: ModelStream) -> bool:
         """Whether a page-out of `stream` exports its state: more than one group serves its base."""
@@ -411,7 +411,11 @@ class Planner:
         candidates = [s for s in resident if s is not needy and s.model_id not in busy and s.created]
         if not candidates:
             return None
-        return min(candidates, key=lambda s: (s.oldest_runnable() is not None, s.last_used, s.model_id))
+        return min(candidates, key=self._victim_key)
+
+    @staticmethod
+    def _victim_key(stream: ModelStream) -> tuple[bool, int, str]:
+        return stream.oldest_runnable() is not None, stream.last_used, stream.model_id
 
     def _residency_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit | None:
         """Give `stream` a slot: [page out the victim,] then its create or its page-in."""

@@ -89,22 +89,43 @@ def test_a_model_paged_out_with_an_export_pages_in_on_another_group_with_a_free_
     assert sim.replayed().state == sim.planner.state  # placements are a fold of the units
 
 
-def test_with_no_free_slot_anywhere_a_model_pages_back_in_on_its_own_group_from_its_page_store() -> None:
-    """m1 paged out on a (exported); a holds m3 and b holds m2, both idle: m1 evicts m3 at home
-    rather than moving, and its PageIn names no source (the page store has it)."""
+def test_with_no_free_slot_anywhere_the_least_recently_used_idle_model_of_any_group_makes_room() -> None:
+    """m1 paged out on a (exported); a holds m3 and b holds m2, both idle, m2 the least recently
+    used: m1 pages m2 out on b and pages in there from its export (as with one group, the LRU
+    idle model goes first, whichever group holds it)."""
     sim = grouped(slots=1)
     sim.send(create("m1"))
     sim.run()
     sim.send(create("m2"))
     sim.run()
-    sim.send(create("m3"))  # evicts m1 on a
+    sim.send(create("m3"))  # evicts m1 on a (m1 is older than m2)
+    (evict,) = sim.run()
+    sim.send(fb("m1", 1, [3]))
+    barrier = sim.plan()[0]
+    assert isinstance(barrier, BarrierUnit) and barrier.group == "b"
+    page_out, page_in = barrier.ops
+    assert isinstance(page_out, PageOut) and page_out.model_id == "m2"
+    assert isinstance(page_in, PageIn) and page_in.model_id == "m1"
+    assert page_in.source == export_path("m1", evict.unit_id)
+
+
+def test_a_model_paged_out_and_back_in_on_its_own_group_reads_its_page_store() -> None:
+    """Only a move reads the export: m1 paged out on a and paged in on a again names no source."""
+    sim = grouped(slots=1)
+    sim.send(create("m2"))
+    sim.run()
+    sim.send(create("m1"))
+    sim.run()  # m2 on a, m1 on b
+    sim.send(create("m3"))  # evicts m2 (LRU) on a
     sim.run()
     sim.send(fb("m1", 1, [3]))
+    sim.run()  # m1 is used: m3 on a is now the LRU idle model
+    sim.send(fb("m2", 1, [3]))
     barrier = sim.plan()[0]
     assert isinstance(barrier, BarrierUnit) and barrier.group == "a"
     page_out, page_in = barrier.ops
     assert isinstance(page_out, PageOut) and page_out.model_id == "m3"
-    assert isinstance(page_in, PageIn) and page_in.model_id == "m1" and page_in.source == ""
+    assert isinstance(page_in, PageIn) and page_in.model_id == "m2" and page_in.source == ""
 
 
 def test_a_lost_group_is_not_placed_on_and_its_exported_models_move() -> None:
