@@ -93,7 +93,7 @@ def main() -> None:
     table(
         "Aggregate training steps/s, 4 tenants at once",
         rows,
-        [("config", "configuration"), ("steps", "timed steps"), ("seconds", "wall s"), ("steps_per_s", "steps/s"), ("vs_one", "x one group")],
+        [("configuration", "config"), ("timed steps", "steps"), ("wall s", "seconds"), ("steps/s", "steps_per_s"), ("x one group", "vs_one")],
     )
     footer()
 
