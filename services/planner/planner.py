@@ -281,8 +281,8 @@ class Planner:
             if stream.closed:
                 continue
             head = stream.oldest_runnable()
-            if head is None:
-                continue
+            if head is None or self._on_lost_group(stream):
+                continue  # a resident model of a lost group waits for it (its state is there)
             if self._needs_slot(stream, head):
                 if waiting is None or head.arrival < waiting[1].arrival:
                     waiting = (stream, head)
@@ -326,6 +326,9 @@ class Planner:
         busy = self._busy_models()
         for stream in self._active_streams():
             head = None if stream.closed else stream.oldest_runnable()
+            if head is not None and self._on_lost_group(stream):
+                waiting[head.command.request_id] = WAIT_GROUP
+                continue
             if head is None or not self._needs_slot(stream, head):
                 continue
             if not self._candidate_groups(stream, head):
@@ -363,6 +366,12 @@ class Planner:
         if not stream.page_file:
             return [home] if home in self.groups else []  # only its own group holds its state
         return [*([home] if home in live else []), *(g for g in by_load if g != home)]
+
+    def _on_lost_group(self, stream: ModelStream) -> bool:
+        """Resident on a group whose trainers stopped reporting: nothing is emitted for it until
+        the group is back (then its trainer has recovered the model's state exactly)."""
+        info = self.groups.get(stream.group) if stream.slot is not None else None
+        return info is not None and not info.live
 
     def _group_of(self, stream: ModelStream) -> str:
         """The group that holds `stream`'s state; a model never placed (its create failed or never
