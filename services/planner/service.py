@@ -63,6 +63,7 @@ class PlannerService:
         self._lock = asyncio.Lock()
         self._paused: set[str] = set()  # create_model requests published as paused_capacity
         self._paused_why: dict[str, str] = {}  # ... and why (planner.WAIT_*)
+        self._beats: dict[str, tuple[int, int]] = {}  # group -> (newest heartbeat, when we saw it change)
         self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
         self._positions = Positions()  # the last sequence folded, per stream
         self._snapshot_due_ns = 0
@@ -377,7 +378,12 @@ class PlannerService:
                         "it is freed", group, num_slots, held, held + 1,
                     )
                     num_slots = held + 1
-                live = max(st.updated_ns for st in ready) >= fresh_after
+                # Liveness by the planner's clock (hosts' clocks may differ): when did this group's
+                # newest heartbeat last change, as seen from here?
+                newest = max(st.updated_ns for st in ready)
+                if self._beats.get(group, (None, 0))[0] != newest:
+                    self._beats[group] = (newest, now)
+                live = self._beats[group][1] >= fresh_after
                 groups[group] = GroupInfo(num_slots=num_slots, base_model=ready[0].base_model, live=live)
             if not groups or groups == planner.groups:
                 return
