@@ -26,8 +26,9 @@ class UnitItem(msgspec.Struct, frozen=True, array_like=True):
 
 class WorkUnit(Envelope, tag="work", kw_only=True, frozen=True):
     unit_id: str
-    group: str = "default"
-    """The trainer group that runs it (its work subject); every item's model is placed there."""
+    group: str = ""
+    """The trainer group that runs it (its work subject); every item's model is placed there. ""
+    only in units written before groups existed: the planner reads them as its `trainer_group`'s."""
     forward_only: bool
     loss_fn: str
     loss_config: dict[str, float | str] = {}
@@ -155,8 +156,9 @@ SlotOp = (
 
 class BarrierUnit(Envelope, tag="barrier", kw_only=True, frozen=True):
     unit_id: str
-    group: str = "default"
-    """The trainer group that runs it; a create or page-in here places its model on that group."""
+    group: str = ""
+    """The trainer group that runs it; a create or page-in here places its model on that group
+    ("" as in `WorkUnit`)."""
     ops: list[SlotOp] = []
 
 

@@ -92,7 +92,10 @@ class PlannerService:
             self.planner.apply(CommandArrived(command, msg.metadata.sequence.stream, replay_ns))
 
         def on_unit(msg: Msg) -> None:
-            self.planner.apply(UnitEmitted(codec.unit_decoder.decode(msg.data)))
+            unit = codec.unit_decoder.decode(msg.data)
+            if not unit.group:  # written before trainer groups: it went to this planner's one group
+                unit = msgspec.structs.replace(unit, group=self.config.trainer_group)
+            self.planner.apply(UnitEmitted(unit))
 
         def on_outcome(msg: Msg) -> None:
             self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
