@@ -217,7 +217,8 @@ def test_two_base_models_train_at_once_each_on_its_own_group_and_an_unknown_base
     it waits (try_again, queue_state paused_capacity, a reason naming the base) and completes once
     the group is back."""
     with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-groups-bases") as client:
-        capabilities = client.create_rest_client().get_server_capabilities().result()
+        rest = tinker.RestClient(base_url=stack.base_url, api_key="tml-groups-bases")
+        capabilities = rest.get_server_capabilities().result()
         served = {m.model_name for m in capabilities.supported_models}
         assert served == {"tiny-qwen3", NARROW}
         runs: dict[str, Run] = {}
