@@ -347,6 +347,9 @@ def up(
         "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
         **(extra_env or {}),
     }
+    extra = sorted({base for _, base in trainer_groups(env) if base and base != base_model})
+    if extra and "TINKERD_GATEWAY_EXTRA_BASE_MODELS" not in env:
+        env["TINKERD_GATEWAY_EXTRA_BASE_MODELS"] = ",".join(extra)  # the gateway serves every group's base
     supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run")
 
     def on_signal(signum: int, _frame: object) -> None:
