@@ -29,9 +29,10 @@ SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
 
 
-def service_of(name: str) -> str:
-    """The service a child runs: `gateway-1` (a second gateway replica) runs `gateway`."""
-    return name.split("-", 1)[0]
+def service_of(child: str) -> str:
+    """The service a child runs: `gateway-1` (a second gateway replica) runs `gateway`, and
+    `trainer@a` (the trainer of group `a`) runs `trainer`."""
+    return child.partition("@")[0].split("-", 1)[0]
 
 
 def gateway_names(replicas: int) -> tuple[str, ...]:
@@ -62,6 +63,36 @@ def _prefix(name: str) -> str:
     if sys.stdout.isatty():
         return f"\033[{COLORS.get(service_of(name), 37)}m{label}\033[0m "
     return label + " "
+
+
+def trainer_groups(env: dict[str, str]) -> list[tuple[str, str]]:
+    """`TINKERD_TRAINER_GROUPS`: comma-separated `group[=base_model]` (e.g. `a,b` or
+    `q=tiny-qwen3,w=tiny-wide`): the trainer groups `tinkerd up` starts, one process each. Empty
+    (the default): one group, `TINKERD_TRAINER_GROUP` (else "default"), of the deployment's base."""
+    spec = env.get("TINKERD_TRAINER_GROUPS", "").strip()
+    if not spec:
+        return []
+    groups = []
+    for part in spec.split(","):
+        name, _, base = part.strip().partition("=")
+        if not name:
+            raise SystemExit(f"TINKERD_TRAINER_GROUPS: empty group name in {spec!r}")
+        groups.append((name, base))
+    return groups
+
+
+def expand_services(services: tuple[str, ...], env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Child name -> its environment: `trainer` becomes `trainer@<group>` per configured group."""
+    children: dict[str, dict[str, str]] = {}
+    for name in services:
+        groups = trainer_groups(env) if name == "trainer" else []
+        if not groups:
+            children[name] = env
+            continue
+        for group, base in groups:
+            extra = {"TINKERD_TRAINER_GROUP": group, **({"TINKERD_TRAINER_BASE_MODEL": base} if base else {})}
+            children[f"trainer@{group}"] = {**env, **extra}
+    return children
 
 
 LIVENESS_TIMEOUT_S = 60.0
@@ -138,7 +169,10 @@ class Supervisor:
         replica's port). A child named `SERVICE-N` runs SERVICE (`service_of`)."""
         self.env = env
         extra = child_env or {}
-        self.children = {name: Child(name, {**env, **extra.get(name, {})}) for name in services}
+        self.children = {
+            name: Child(name, {**base_env, **extra.get(name, {})})
+            for name, base_env in expand_services(services, env).items()
+        }
         self.exits: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
@@ -341,6 +375,9 @@ def up(
         "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
         **(extra_env or {}),
     }
+    extra = sorted({base for _, base in trainer_groups(env) if base and base != base_model})
+    if extra and "TINKERD_GATEWAY_EXTRA_BASE_MODELS" not in env:
+        env["TINKERD_GATEWAY_EXTRA_BASE_MODELS"] = ",".join(extra)  # the gateway serves every group's base
     services, child_env = with_gateway_replicas(services, gateways, port)
     supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run", child_env=child_env)
 

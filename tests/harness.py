@@ -136,7 +136,6 @@ class Stack:
         for name, extra in self.child_env.items():
             child_env[name] = {**child_env.get(name, {}), **extra}
         self.services = names
-        self._ready = {name: threading.Event() for name in self.services}
         echo = os.environ.get("TINKERD_TEST_ECHO", "0") == "1"
         self.supervisor = Supervisor(
             env,
@@ -147,9 +146,11 @@ class Stack:
             run_dir=self.data_dir / "run",
             child_env=child_env,
         )
+        # one per child: `trainer` is `trainer@<group>` per group of TINKERD_TRAINER_GROUPS
+        self._ready = {name: threading.Event() for name in self.supervisor.children}
         self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
         self._thread.start()
-        self.wait_ready(*self.services)
+        self.wait_ready(*self.supervisor.children)
         return self
 
     def wait_ready(self, *services: str, timeout_s: float = START_TIMEOUT_S) -> None:

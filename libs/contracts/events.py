@@ -68,6 +68,8 @@ class SlotAssigned(Envelope, tag="slot_assigned", kw_only=True, frozen=True):
     slot: int
     reason: str  # "create" | "page_in"
     evicted: str = ""  # the idle model paged out to free the slot, if any
+    group: str = "default"  # the trainer group the slot belongs to: where the model is placed
+    moved: bool = False  # a page_in from another group's export: the model moved between groups
 
 
 class ModelPagedOut(Envelope, tag="model_paged_out", kw_only=True, frozen=True):

@@ -113,6 +113,7 @@ class ModelQueueRecord(msgspec.Struct, kw_only=True, frozen=True):
     waiting_for_seq: int | None = None
     closed: bool = False
     paged: bool = False  # its training state is in the trainer's page store (it holds no slot)
+    group: str = ""  # the trainer group that holds its state (resident or paged), "" before placement
 
 
 class SigningSecret(msgspec.Struct, frozen=True):

@@ -26,6 +26,9 @@ class UnitItem(msgspec.Struct, frozen=True, array_like=True):
 
 class WorkUnit(Envelope, tag="work", kw_only=True, frozen=True):
     unit_id: str
+    group: str = ""
+    """The trainer group that runs it (its work subject); every item's model is placed there. ""
+    only in units written before groups existed: the planner reads them as its `trainer_group`'s."""
     forward_only: bool
     loss_fn: str
     loss_config: dict[str, float | str] = {}
@@ -100,19 +103,24 @@ class ReleaseSlot(msgspec.Struct, tag="release_slot", kw_only=True, frozen=True)
 class PageOut(msgspec.Struct, tag="page_out", kw_only=True, frozen=True):
     """Move the slot's complete training state (adapter, optimizer moments and step, accumulated
     gradients) to the trainer's page store and free the slot. `request_id` is `ids.page_request_id`:
-    residency ops answer no request."""
+    residency ops answer no request. `export` (a path relative to the data directory, "" for
+    none): also write the state there, durably, so another trainer group can page it in."""
 
     model_id: str
     request_id: str
     slot: int
+    export: str = ""
 
 
 class PageIn(msgspec.Struct, tag="page_in", kw_only=True, frozen=True):
-    """Put a paged-out model's training state back into `slot`, exactly as it left."""
+    """Put a paged-out model's training state back into `slot`, exactly as it left. `source` (a
+    path relative to the data directory, "" for none): read the state from that file (a page-out
+    of another group exported it) instead of this group's page store."""
 
     model_id: str
     request_id: str
     slot: int
+    source: str = ""
 
 
 class DropPaged(msgspec.Struct, tag="drop_paged", kw_only=True, frozen=True):
@@ -148,6 +156,9 @@ SlotOp = (
 
 class BarrierUnit(Envelope, tag="barrier", kw_only=True, frozen=True):
     unit_id: str
+    group: str = ""
+    """The trainer group that runs it; a create or page-in here places its model on that group
+    ("" as in `WorkUnit`)."""
     ops: list[SlotOp] = []
 
 

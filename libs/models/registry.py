@@ -33,6 +33,7 @@ from libs.models.tiny import PRESETS, build_tiny
 SHORT_NAMES: dict[str, str] = {
     "tiny-qwen3": "tinkerd/tiny-qwen3",
     "tiny-llama": "tinkerd/tiny-llama",
+    "tiny-qwen3-narrow": "tinkerd/tiny-qwen3-narrow",
 }
 ALIASES: dict[str, str] = {alias: short for short, alias in SHORT_NAMES.items()}
 SUPPORTED_ARCHS: frozenset[str] = frozenset({"qwen3", "llama"})

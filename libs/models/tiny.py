@@ -87,6 +87,19 @@ class TinyPreset:
 PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen3": TinyPreset("tiny-qwen3", "qwen3", "Qwen3ForCausalLM", rope_theta=1_000_000.0),
     "tiny-llama": TinyPreset("tiny-llama", "llama", "LlamaForCausalLM", rope_theta=500_000.0),
+    # a second shape (narrower, shallower, other head layout): two base models at once in tests
+    "tiny-qwen3-narrow": TinyPreset(
+        "tiny-qwen3-narrow",
+        "qwen3",
+        "Qwen3ForCausalLM",
+        rope_theta=1_000_000.0,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    ),
 }
 
 

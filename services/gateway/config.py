@@ -15,7 +15,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = DEFAULT_NATS_URL
     data_dir: str = DEFAULT_DATA_DIR
     base_model: str = "tiny-qwen3"
-    """The one base model this deployment serves (short name or directory)."""
+    """The deployment's primary base model (short name or directory): training and sampling."""
+    extra_base_models: str = ""
+    """More base models to train on (comma-separated names), each served by its own trainer
+    group (`TINKERD_TRAINER_GROUPS`); sampling stays on the primary one."""
     keys_file: str | None = None
     """JSON keys file; without one the gateway runs in open mode (loopback only)."""
     admin_key: str | None = None

@@ -56,6 +56,27 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     sessions: SessionBeats | None = None  # session_lifecycle.SessionLifecycle, set by the lifespan
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    extra_models: list[ResolvedModel] = field(default_factory=list)  # more trainable base models
+
+    @property
+    def models(self) -> list[ResolvedModel]:
+        """Every base model served, the primary one first."""
+        return [self.model, *self.extra_models]
+
+    def served(self, name: str) -> ResolvedModel | None:
+        """The served base model `name` refers to (its name, alias or path), or None."""
+        for model in self.models:
+            if name in (model.name, str(model.path), f"tinkerd/{model.name}"):
+                return model
+        try:
+            path = resolve_base_model(name, self.data_dir, build_missing=False).path
+        except ValueError:
+            return None
+        return next((m for m in self.models if m.path == path), None)
+
+    def model_named(self, name: str) -> ResolvedModel:
+        """A served base model by the name a record carries (the primary one if unknown)."""
+        return next((m for m in self.models if m.name == name), self.model)
 
     @property
     def data_dir(self) -> Path:
@@ -120,6 +141,9 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             await board.start()
             keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
             gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
+            gateway.extra_models = [
+                resolve_base_model(name.strip(), data_dir) for name in config.extra_base_models.split(",") if name.strip()
+            ]
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
@@ -134,7 +158,8 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             await lifecycle.start()
             gateway.sessions = lifecycle
             app.state.gateway = gateway
-            log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, model.name)
+            names = ", ".join(m.name for m in gateway.models)
+            log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, names)
             yield
         finally:
             if "runner" in locals():

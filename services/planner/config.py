@@ -12,8 +12,12 @@ from infra.config import DEFAULT_NATS_URL, from_env
 class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = DEFAULT_NATS_URL
     trainer_group: str = "default"
+    """Names the planner's snapshot; the planner serves every trainer group that reports."""
     num_slots: int = 8
-    """Adapter slots per trainer group (must match the trainer's)."""
+    """Adapter slots per trainer group until the group reports its own (the trainer's count wins)."""
+    group_timeout_s: float = 15.0
+    """A trainer group whose trainers have not reported for this long is lost: nothing new is placed
+    on it, and its models whose state was exported move to live groups of their base model."""
     token_budget: int = 16_384
     """Tokens per work unit; a single datum over it ships alone."""
     max_units_in_flight: int = 1

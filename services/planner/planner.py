@@ -28,6 +28,12 @@ Rules (see docs/semantics.md):
   slot first pages out the least recently used resident model with nothing in flight (idle ones
   before ones with queued work), whose complete training state the trainer keeps. With every slot
   held by a model with work in flight it waits (queue_state "paused_capacity").
+- Trainer groups: each group serves one base model with its own slots; a model is placed on one
+  group (its create goes to the live group of its base with a free slot and the least load, see
+  `_placement`) and every unit names its group. With more than one group for a base, each
+  page-out also exports the state to a file under the data directory, so the model may page in
+  on another group (a free slot there before a page-out at home); a group whose trainer stopped
+  reporting is not placed on, and its models whose state is exported move to live groups.
 - Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
   whatever it can no longer run.
 """
@@ -38,7 +44,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from libs.contracts.ids import HANDOFF, owner_of_request, page_request_id, tinker_path
+from libs.contracts.ids import HANDOFF, owner_of_request, page_request_id, tinker_path, token
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import (
     CreateModel,
@@ -82,6 +88,7 @@ from libs.contracts.work import (
 from services.planner.streams import ModelStream, Pending
 
 PAUSED_CAPACITY = "paused_capacity"
+DEFAULT_GROUP = "default"
 
 LOAD_WITH_PENDING_GRADS = (
     "load_state while gradients are pending: forward_backward ran since the last optim_step; "
@@ -126,6 +133,15 @@ Fact = CommandArrived | UnitEmitted | OutcomeArrived
 
 
 @dataclass
+class GroupInfo:
+    """A trainer group as its trainers report it (an input of decisions, not part of the fold)."""
+
+    num_slots: int
+    base_model: str = ""  # "" serves any base model (a planner not told otherwise)
+    live: bool = True  # its trainer reported recently
+
+
+@dataclass
 class PlannerState:
     """Everything the planner knows: a fold of facts, encodable as a snapshot."""
 
@@ -133,9 +149,10 @@ class PlannerState:
     token_budget: int = 16_384
     max_units_in_flight: int = 0  # 0: no limit
     streams: dict[str, ModelStream] = field(default_factory=dict)
-    slots: dict[int, str] = field(default_factory=dict)  # slot -> model_id
+    slots: dict[str, dict[int, str]] = field(default_factory=dict)  # group -> slot -> model_id
     units_emitted: int = 0
     inflight: dict[str, list[Member]] = field(default_factory=dict)  # emitted, outcome not folded
+    inflight_group: dict[str, str] = field(default_factory=dict)  # unit_id -> its group, likewise
 
 
 class Planner:
@@ -151,6 +168,8 @@ class Planner:
         self.state = state or PlannerState(
             num_slots=num_slots, token_budget=token_budget, max_units_in_flight=max_units_in_flight
         )
+        # The trainer groups decisions may use (from their heartbeats); one default group else.
+        self.groups: dict[str, GroupInfo] = {DEFAULT_GROUP: GroupInfo(self.state.num_slots)}
         self._outbox: list[Completion] = []  # finished requests not collected yet
         # Models with commands queued or buffered: the only ones a decision looks at, so its
         # cost does not grow with idle models (derived from the state, never encoded).
@@ -188,6 +207,7 @@ class Planner:
         for model_id in models:
             self._stream(model_id).last_used = unit_number(unit.unit_id)
             self._touched.add(model_id)
+        state.inflight_group[unit.unit_id] = unit.group or DEFAULT_GROUP
         match unit:
             case WorkUnit(items=items):
                 state.inflight[unit.unit_id] = [(i.model_id, i.request_id, i.index) for i in items]
@@ -202,11 +222,12 @@ class Planner:
                     pending = self._find(op.model_id, op.request_id)
                     if pending is not None:
                         pending.barrier_issued = True
-                    self._apply_barrier_side_effects(op)
+                    self._apply_barrier_side_effects(op, unit.group)
         return True
 
     def _apply_outcome(self, outcome: Outcome) -> bool:
         members = self.state.inflight.pop(outcome.unit_id, None)
+        self.state.inflight_group.pop(outcome.unit_id, None)
         if members is None:
             return False  # a redelivery of an outcome already folded
         match outcome:
@@ -256,22 +277,20 @@ class Planner:
         return cls(state.num_slots, state.token_budget, state)
 
     # --- the decision -------------------------------------------------------------------------
-    def decide(self) -> Unit | None:
+    def decide(self, skip: frozenset[str] = frozenset()) -> Unit | None:
         """The next unit to emit, or None; pure: the state changes only when it is applied.
 
         The oldest runnable command of all models goes first (by arrival). A resident model's
         runs now; a model that holds no slot (a create, or a paged-out model) first gets one:
         a free slot, or the least recently used slot of a model with nothing in flight, which
-        is paged out in the same barrier.
+        is paged out in the same barrier. Groups in `skip` get nothing (the service holds them).
 
-        Nothing is decided while `max_units_in_flight` units wait for their outcomes: calls
-        that arrive meanwhile (other tenants' forward_backward, typically) are packed into one
-        unit when an outcome frees the pipeline, instead of one small unit each.
+        Nothing is decided for a group while `max_units_in_flight` of its units wait for their
+        outcomes: calls that arrive meanwhile (other tenants' forward_backward, typically) are
+        packed into one unit when an outcome frees the pipeline, instead of one small unit each.
         """
-        limit = self.state.max_units_in_flight
-        if limit and len(self.state.inflight) >= limit:
-            return None
-        best_rows: Pending | None = None
+        full = self._full_groups() | skip
+        best_rows: tuple[ModelStream, Pending] | None = None
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
         waiting: tuple[ModelStream, Pending] | None = None
@@ -279,25 +298,27 @@ class Planner:
             if stream.closed:
                 continue
             head = stream.oldest_runnable()
-            if head is None:
-                continue
+            if head is None or self._on_lost_group(stream):
+                continue  # a resident model of a lost group waits for it (its state is there)
             if self._needs_slot(stream, head):
                 if waiting is None or head.arrival < waiting[1].arrival:
                     waiting = (stream, head)
                 continue
+            if self._group_of(stream) in full:
+                continue  # its group's pipeline is full: decided when an outcome frees it
             if best_arrival is not None and head.arrival >= best_arrival:
                 continue
             best_arrival = head.arrival
             if head.is_window:
-                best_rows, best_barrier = head, None
+                best_rows, best_barrier = (stream, head), None
             else:
                 best_rows, best_barrier = None, (stream, head)
         if waiting is not None and (best_arrival is None or waiting[1].arrival < best_arrival):
             unit = self._residency_unit(*waiting)
-            if unit is not None:
+            if unit is not None and unit.group not in full:
                 return unit
         if best_rows is not None:
-            return self._work_unit(best_rows)
+            return self._work_unit(*best_rows)
         if best_barrier is not None:
             return self._barrier_unit(*best_barrier)
         return None
@@ -310,6 +331,16 @@ class Planner:
             self.apply(UnitEmitted(unit))
             units.append(unit)
         return units
+
+    def _full_groups(self) -> set[str]:
+        """Groups with `max_units_in_flight` units awaiting outcomes (none when there is no limit)."""
+        limit = self.state.max_units_in_flight
+        if not limit:
+            return set()
+        counts: dict[str, int] = {}
+        for group in self.state.inflight_group.values():
+            counts[group] = counts.get(group, 0) + 1
+        return {group for group, count in counts.items() if count >= limit}
 
     def awaited(self, cohort: frozenset[str]) -> set[str]:
         """The resident models of `cohort` with no datum ready to issue: the ones whose next
@@ -326,15 +357,26 @@ class Planner:
     def waiting_for_capacity(self) -> list[str]:
         """Request ids that wait for an adapter slot (queue_state paused_capacity): the oldest
         runnable command of each model that holds none while no slot can be freed."""
-        if self._free_slot() is not None:
-            return []
-        waiting = []
+        return sorted(r for r, why in self.waiting().items() if why == WAIT_SLOTS)
+
+    def waiting(self) -> dict[str, str]:
+        """Request ids that wait to be placed, and why: `WAIT_SLOTS` (every slot of the groups
+        that could take it holds a model with work in flight) or `WAIT_GROUP` (no live trainer
+        group serves its base model, or holds its state)."""
+        waiting: dict[str, str] = {}
         busy = self._busy_models()
         for stream in self._active_streams():
             head = None if stream.closed else stream.oldest_runnable()
-            if head is not None and self._needs_slot(stream, head) and self._victim(stream, busy) is None:
-                waiting.append(head.command.request_id)
-        return sorted(waiting)
+            if head is not None and self._on_lost_group(stream):
+                waiting[head.command.request_id] = WAIT_GROUP
+                continue
+            if head is None or not self._needs_slot(stream, head):
+                continue
+            if not self._candidate_groups(stream, head):
+                waiting[head.command.request_id] = WAIT_GROUP
+            elif self._placement(stream, head, busy) is None:
+                waiting[head.command.request_id] = WAIT_SLOTS
+        return waiting
 
     @staticmethod
     def _needs_slot(stream: ModelStream, head: Pending) -> bool:
@@ -344,51 +386,117 @@ class Planner:
             return True
         return stream.paged and not isinstance(head.command, UnloadModel)
 
-    def _free_slot(self) -> int | None:
-        for slot in range(self.state.num_slots):
-            if slot not in self.state.slots:
+    def _free_slot(self, group: str) -> int | None:
+        held = self.state.slots.get(group, {})
+        info = self.groups.get(group)
+        for slot in range(info.num_slots if info is not None else 0):
+            if slot not in held:
                 return slot
         return None
+
+    def _candidate_groups(self, stream: ModelStream, head: Pending) -> list[str]:
+        """The groups `stream` may be placed on now, preferred first: for a create, the live groups
+        of its base model, least loaded first; for a page-in, its own group, then (only when its
+        state was exported) the other live groups of its base, least loaded first."""
+        base = stream.base_model
+        live = [g for g, info in self.groups.items() if info.live and info.base_model in ("", base)]
+        by_load = sorted(live, key=lambda g: (self._load(g), g))
+        if isinstance(head.command, CreateModel):
+            return by_load
+        home = self._group_of(stream)
+        if not stream.page_file:
+            return [home] if home in self.groups else []  # only its own group holds its state
+        return [*([home] if home in live else []), *(g for g in by_load if g != home)]
+
+    def _on_lost_group(self, stream: ModelStream) -> bool:
+        """Resident on a group whose trainers stopped reporting: nothing is emitted for it until
+        the group is back (then its trainer has recovered the model's state exactly)."""
+        info = self.groups.get(stream.group) if stream.slot is not None else None
+        return info is not None and not info.live
+
+    def _group_of(self, stream: ModelStream) -> str:
+        """The group that holds `stream`'s state; a model never placed (its create failed or never
+        came) has its barriers (failures) run by the first live group."""
+        if stream.group:
+            return stream.group
+        live = sorted(g for g, info in self.groups.items() if info.live)
+        return live[0] if live else min(self.groups, default=DEFAULT_GROUP)
+
+    def _load(self, group: str) -> tuple[int, int]:
+        """A group's load: resident models with queued work, then resident models."""
+        held = self.state.slots.get(group, {}).values()
+        return sum(m in self._active for m in held), len(held)
+
+    def _placement(
+        self, stream: ModelStream, head: Pending, busy: set[str]
+    ) -> tuple[str, int, ModelStream | None] | None:
+        """(group, slot, victim to page out first or None) for `stream`, or None if it must wait:
+        a free slot in the first candidate group that has one, else the best victim of all the
+        candidate groups (idle first, then least recently used: as with one group)."""
+        groups = self._candidate_groups(stream, head)
+        for group in groups:
+            slot = self._free_slot(group)
+            if slot is not None:
+                return group, slot, None
+        victims = [(v, g) for g in groups if (v := self._victim(stream, busy, g)) is not None]
+        if not victims:
+            return None
+        victim, group = min(victims, key=lambda pair: (*self._victim_key(pair[0]), groups.index(pair[1])))
+        assert victim.slot is not None
+        return group, victim.slot, victim
+
+    def _exports(self, stream: ModelStream) -> bool:
+        """Whether a page-out of `stream` exports its state: more than one group serves its base."""
+        base = stream.base_model
+        return sum(info.base_model in ("", base) for info in self.groups.values()) > 1
 
     def _busy_models(self) -> set[str]:
         """Models with a unit in flight (emitted, outcome not folded): never paged out."""
         return {model_id for members in self.state.inflight.values() for model_id, _, _ in members}
 
-    def _victim(self, needy: ModelStream, busy: set[str]) -> ModelStream | None:
-        """The resident model to page out: nothing in flight; idle ones (nothing runnable)
-        first, then the least recently used."""
-        resident = (self.state.streams[m] for m in self.state.slots.values())
+    def _victim(self, needy: ModelStream, busy: set[str], group: str) -> ModelStream | None:
+        """The resident model of `group` to page out: nothing in flight; idle ones (nothing
+        runnable) first, then the least recently used."""
+        resident = (self.state.streams[m] for m in self.state.slots.get(group, {}).values())
         candidates = [s for s in resident if s is not needy and s.model_id not in busy and s.created]
         if not candidates:
             return None
-        return min(candidates, key=lambda s: (s.oldest_runnable() is not None, s.last_used, s.model_id))
+        return min(candidates, key=self._victim_key)
+
+    @staticmethod
+    def _victim_key(stream: ModelStream) -> tuple[bool, int, str]:
+        return stream.oldest_runnable() is not None, stream.last_used, stream.model_id
 
     def _residency_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit | None:
         """Give `stream` a slot: [page out the victim,] then its create or its page-in."""
+        placed = self._placement(stream, head, self._busy_models())
+        if placed is None:
+            return None
+        group, slot, victim = placed
+        unit_id = self._next_unit_id()
         ops: list[SlotOp] = []
-        slot = self._free_slot()
-        if slot is None:
-            victim = self._victim(stream, self._busy_models())
-            if victim is None:
-                return None
-            assert victim.slot is not None
-            slot = victim.slot
-            ops.append(PageOut(model_id=victim.model_id, request_id=page_request_id(victim.model_id), slot=slot))
+        if victim is not None:
+            vid = victim.model_id
+            export = export_path(vid, unit_id) if self._exports(victim) else ""
+            ops.append(PageOut(model_id=vid, request_id=page_request_id(vid), slot=slot, export=export))
         cmd = head.command
         mid = stream.model_id
         if isinstance(cmd, CreateModel):
             ops.append(InitSlot(model_id=mid, request_id=cmd.request_id, slot=slot, lora=cmd.lora, restore=cmd.restore))
         else:
-            ops.append(PageIn(model_id=mid, request_id=page_request_id(mid), slot=slot))
-        return BarrierUnit(unit_id=self._next_unit_id(), ops=ops, traceparent=cmd.traceparent)
+            source = stream.page_file if group != self._group_of(stream) else ""
+            ops.append(PageIn(model_id=mid, request_id=page_request_id(mid), slot=slot, source=source))
+        return BarrierUnit(unit_id=unit_id, group=group, ops=ops, traceparent=cmd.traceparent)
 
-    def _work_unit(self, seed: Pending) -> WorkUnit:
+    def _work_unit(self, seed_stream: ModelStream, seed: Pending) -> WorkUnit:
         command = seed.command
         assert isinstance(command, ForwardBackward)
         key = loss_class(command)
+        group = self._group_of(seed_stream)
         rows: list[tuple[int, int, ModelStream, Pending]] = []
         for stream in self._active_streams():
-            if stream.closed or stream.slot is None:  # only resident models' datums are packed
+            # only datums of models resident on the seed's group are packed
+            if stream.closed or stream.slot is None or self._group_of(stream) != group:
                 continue
             for pending in stream.open_window():
                 cmd = pending.command
@@ -407,6 +515,7 @@ class Planner:
             tokens += datum.num_tokens
         return WorkUnit(
             unit_id=self._next_unit_id(),
+            group=group,
             forward_only=command.forward_only,
             loss_fn=command.loss_fn,
             loss_config=command.loss_config,
@@ -416,16 +525,17 @@ class Planner:
 
     def _barrier_unit(self, stream: ModelStream, head: Pending) -> BarrierUnit:
         chosen = [(stream, head)]
+        group = self._group_of(stream)
         if isinstance(head.command, OptimStep):
             for other in self._active_streams():
-                if other is stream or other.closed or other.slot is None:
+                if other is stream or other.closed or other.slot is None or self._group_of(other) != group:
                     continue
                 barrier = other.ready_barrier()
                 if barrier is not None and isinstance(barrier.command, OptimStep):
                     chosen.append((other, barrier))
         chosen.sort(key=lambda pair: pair[1].arrival)  # independent of stream insertion order
         ops = [self._barrier_op(s, p) for s, p in chosen]
-        return BarrierUnit(unit_id=self._next_unit_id(), ops=ops, traceparent=head.command.traceparent)
+        return BarrierUnit(unit_id=self._next_unit_id(), group=group, ops=ops, traceparent=head.command.traceparent)
 
     def _barrier_op(self, stream: ModelStream, pending: Pending) -> SlotOp:
         """Decide what a barrier does, given the model's window state."""
@@ -474,18 +584,18 @@ class Planner:
             model_id=mid, request_id=rid, error=f"unsupported command {type(cmd).__name__}", category="server"
         )
 
-    def _apply_barrier_side_effects(self, op: SlotOp) -> None:
+    def _apply_barrier_side_effects(self, op: SlotOp, group: str) -> None:
         """What emitting a barrier op does to the state (live and on replay alike)."""
         stream = self.state.streams.get(op.model_id)
         if stream is None:
             return
         match op:
             case InitSlot() | PageIn():
-                stream.slot, stream.paged = op.slot, False
-                self.state.slots[op.slot] = op.model_id
+                stream.slot, stream.paged, stream.group = op.slot, False, group
+                self.state.slots.setdefault(group, {})[op.slot] = op.model_id
             case PageOut():
                 self._free(stream)
-                stream.paged = True
+                stream.paged, stream.page_file = True, op.export
             case StepSlot() | DiscardSlot():
                 stream.consume_window()
             case ReleaseSlot():
@@ -497,8 +607,9 @@ class Planner:
 
     def _free(self, stream: ModelStream) -> None:
         """Give the stream's slot back (only if it still holds it: replay folds outcomes late)."""
-        if stream.slot is not None and self.state.slots.get(stream.slot) == stream.model_id:
-            del self.state.slots[stream.slot]
+        held = self.state.slots.get(self._group_of(stream), {})
+        if stream.slot is not None and held.get(stream.slot) == stream.model_id:
+            del held[stream.slot]
         stream.slot = None
 
     def _next_unit_id(self) -> str:
@@ -646,6 +757,16 @@ class Planner:
             if pending.command.request_id == request_id:
                 return pending, stream
         return None, stream
+
+
+WAIT_SLOTS = "slots"
+WAIT_GROUP = "group"
+
+
+def export_path(model_id: str, unit_id: str) -> str:
+    """Where a page-out exports a model's state, relative to the data directory: one file per
+    page-out (a later page-in on another group, and its replay, read exactly that one)."""
+    return f"trainer/exports/{token(model_id)}/{unit_id}.safetensors"
 
 
 def unit_number(unit_id: str) -> int:

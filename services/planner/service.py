@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 
 import msgspec
 from nats.aio.msg import Msg
@@ -35,8 +36,10 @@ from services.planner import snapshot
 from services.planner.config import PlannerConfig
 from services.planner.planner import (
     PAUSED_CAPACITY,
+    WAIT_GROUP,
     CommandArrived,
     Completion,
+    GroupInfo,
     OutcomeArrived,
     Planner,
     UnitEmitted,
@@ -63,21 +66,28 @@ class PlannerService:
         )
         self._lock = asyncio.Lock()
         self._paused: set[str] = set()  # create_model requests published as paused_capacity
+        self._paused_why: dict[str, str] = {}  # ... and why (planner.WAIT_*)
+        self._beats: dict[str, tuple[int, int]] = {}  # group -> (newest heartbeat, when we saw it change)
         self._summaries: dict[str, ModelQueueRecord] = {}  # last summary written per model
         self._positions = Positions()  # the last sequence folded, per stream
         self._snapshot_due_ns = 0
         self._slots_known = False  # until the group's trainer reported its slot count
         self._replayed: list[Completion] = []  # finished requests found by the replay
-        # Coalescing (see _holding): the models of the last work unit, and when a hold ends.
-        self._cohort: frozenset[str] = frozenset()
-        self._hold_until_ns = 0
+        # Coalescing (see _holding), per group: the models of its last work unit, when a hold ends.
+        self._cohorts: dict[str, frozenset[str]] = {}
+        self._holds: dict[str, int] = {}
         self._hold_timers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
         saved = await snapshot.load(self.bus, self.config.trainer_group)
         if saved is not None:
-            self.planner = Planner.restore(saved.state)
+            try:
+                self.planner = Planner.restore(saved.state)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:  # an older state format
+                log.warning("planner snapshot cannot be read (%s); replaying the streams in full", exc)
+                saved = None
+        if saved is not None:
             self.planner.state.num_slots = self.config.num_slots
             self.planner.state.token_budget = self.config.token_budget
             self.planner.state.max_units_in_flight = self.config.max_units_in_flight
@@ -89,7 +99,10 @@ class PlannerService:
             self.planner.apply(CommandArrived(command, msg.metadata.sequence.stream, replay_ns))
 
         def on_unit(msg: Msg) -> None:
-            self.planner.apply(UnitEmitted(codec.unit_decoder.decode(msg.data)))
+            unit = codec.unit_decoder.decode(msg.data)
+            if not unit.group:  # written before trainer groups: it went to this planner's one group
+                unit = msgspec.structs.replace(unit, group=self.config.trainer_group)
+            self.planner.apply(UnitEmitted(unit))
 
         def on_outcome(msg: Msg) -> None:
             self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
@@ -98,7 +111,7 @@ class PlannerService:
         counts, last = [], {}
         for stream, subject, handle, start in (
             (s.STREAM_REQUESTS, s.REQUESTS_ALL, on_request, self._positions.requests),
-            (s.STREAM_WORK, s.work_subject(self.config.trainer_group), on_unit, self._positions.work),
+            (s.STREAM_WORK, s.WORK_ALL, on_unit, self._positions.work),  # every group's units
             (s.STREAM_OUTCOMES, s.OUTCOMES_ALL, on_outcome, self._positions.outcomes),
         ):
             last[stream] = await last_seq(self.bus, stream)
@@ -130,7 +143,7 @@ class PlannerService:
             asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
             asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
-            asyncio.create_task(self._learn_slots(stop)),
+            asyncio.create_task(self._learn_groups(stop)),
         ]
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -178,48 +191,54 @@ class PlannerService:
         await self._publish_completions(self.planner.collect())
         if not self._slots_known:
             return  # nothing is planned before the trainer said how many adapter slots it has
-        if not self._holding(now_ns()):
-            for unit in self.planner.plan():
-                await self._emit_unit(unit)
-                if isinstance(unit, WorkUnit):
-                    self._cohort = frozenset(item.model_id for item in unit.items)
-                    self._hold_until_ns = 0
+        now, held = now_ns(), set[str]()
+        while (unit := self.planner.decide(skip=frozenset(held))) is not None:
+            if isinstance(unit, WorkUnit) and self._holding(unit, now):
+                held.add(unit.group)  # other groups' units still go now
+                continue
+            self.planner.apply(UnitEmitted(unit))
+            await self._emit_unit(unit)
+            if isinstance(unit, WorkUnit):
+                self._cohorts[unit.group] = frozenset(item.model_id for item in unit.items)
+                self._holds.pop(unit.group, None)
         await self._publish_completions(self.planner.collect())
         await self._publish_queue_state()
         await self._publish_model_summaries()
         await self._maybe_snapshot()
 
-    def _holding(self, now: int) -> bool:
-        """Whether to hold the next work unit back, so that tenants stepping in lockstep share it.
+    def _holding(self, unit: WorkUnit, now: int) -> bool:
+        """Whether to hold `unit` back, so that tenants stepping in lockstep share one unit.
 
         Eight tenants sending forward_backward at the same moment reach the planner milliseconds
         apart; planned on arrival, the first would run alone and the other seven after it. So
-        while nothing is in flight and the next unit is a work unit, it waits for the models
-        packed with it last time that have not sent their next call yet: until they all have,
-        or `coalesce_ms` after the hold began. A model that does not come drops out of the
+        while nothing of its group is in flight, a work unit waits for the models packed with
+        that group's last work unit that have not sent their next call yet: until they all
+        have, or `coalesce_ms` after the hold began. A model that does not come drops out of the
         cohort with the unit that leaves without it, so a tenant training alone never waits.
         Timing only: what is decided stays `decide()`'s, and replay never holds.
         """
+        group = unit.group
+        cohort = self._cohorts.get(group, frozenset())
         if (
             self.config.coalesce_ms <= 0
-            or len(self._cohort) < 2
-            or self.planner.state.inflight
-            or not isinstance(self.planner.decide(), WorkUnit)
-            or not self.planner.awaited(self._cohort)
+            or len(cohort) < 2
+            or group in self.planner.state.inflight_group.values()
+            or not self.planner.awaited(cohort)
         ):
-            self._hold_until_ns = 0
+            self._holds.pop(group, None)
             return False
-        if self._hold_until_ns == 0:
-            self._hold_until_ns = now + int(self.config.coalesce_ms * 1e6)
-            timer = asyncio.create_task(self._end_hold(self._hold_until_ns))
+        until = self._holds.get(group)
+        if until is None:
+            until = self._holds[group] = now + int(self.config.coalesce_ms * 1e6)
+            timer = asyncio.create_task(self._end_hold(group, until))
             self._hold_timers.add(timer)
             timer.add_done_callback(self._hold_timers.discard)
-        return now < self._hold_until_ns
+        return now < until
 
-    async def _end_hold(self, until_ns: int) -> None:
+    async def _end_hold(self, group: str, until_ns: int) -> None:
         await asyncio.sleep(max(0.0, (until_ns - now_ns()) / 1e9))  # a deadline, not synchronisation
         async with self._lock:
-            if self._hold_until_ns == until_ns:
+            if self._holds.get(group) == until_ns:
                 await self._advance()
 
     async def _maybe_snapshot(self) -> None:
@@ -245,6 +264,7 @@ class PlannerService:
                 waiting_for_seq=stream.missing_seq,
                 closed=stream.closed,
                 paged=stream.paged,
+                group=stream.group,
             )
             if self._summaries.get(stream.model_id) != record:
                 await kv.put(s.token(stream.model_id), codec.to_json(record))
@@ -255,24 +275,32 @@ class PlannerService:
 
     async def _publish_queue_state(self) -> None:
         """Mark requests that wait for an adapter slot, so try_again says paused_capacity."""
-        waiting = set(self.planner.waiting_for_capacity())
-        if waiting == self._paused:
+        why = self.planner.waiting()
+        waiting = set(why)
+        if why == self._paused_why:
             return
         kv = await self.bus.kv(s.KV_QUEUE)
-        for request_id in sorted(waiting - self._paused):
-            reason = (
-                f"all {self.config.num_slots} adapter slots hold models with work in flight; "
-                "waiting for one of them to finish, then this model gets its slot"
-            )
+        for request_id in sorted(r for r in waiting if self._paused_why.get(r) != why[r]):
+            base = self.planner.streams[ids.owner_of_request(request_id)].base_model
+            if why[request_id] == WAIT_GROUP:
+                reason = (
+                    f"no trainer group serving base model {base!r} is ready (or the group holding this "
+                    "model's state is lost); waiting for one to report, then this model is placed there"
+                )
+            else:
+                reason = (
+                    f"every adapter slot of the trainer groups serving {base!r} holds a model with work "
+                    "in flight; waiting for one of them to finish, then this model gets its slot"
+                )
             record = QueueRecord(
                 request_id=request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
             )
             await kv.put(s.token(request_id), codec.to_json(record))
-            log.info("%s waits for a free adapter slot", request_id)
+            log.info("%s waits: %s", request_id, reason)
         for request_id in sorted(self._paused - waiting):
             with contextlib.suppress(KeyNotFoundError):
                 await kv.delete(s.token(request_id))
-        self._paused = waiting
+        self._paused, self._paused_why = waiting, why
 
     async def _emit_unit(self, unit: Unit) -> None:
         with tracing.span(
@@ -280,7 +308,7 @@ class PlannerService:
         ) as ctx:
             unit = msgspec.structs.replace(unit, traceparent=ctx, at_ns=now_ns())
             ack = await self.bus.publish(
-                s.work_subject(self.config.trainer_group),
+                s.work_subject(unit.group),
                 codec.pack(unit),
                 msg_id=unit.unit_id,
                 traceparent=ctx,
@@ -320,6 +348,8 @@ class PlannerService:
                         slot=op.slot,
                         reason="create" if isinstance(op, InitSlot) else "page_in",
                         evicted=evicted.get(op.slot, ""),
+                        group=unit.group,
+                        moved=isinstance(op, PageIn) and bool(op.source),
                         at_ns=now_ns(),
                     )
                 )
@@ -369,41 +399,58 @@ class PlannerService:
                 )
             self.bus.emit_soon(event)
 
-    async def _learn_slots(self, stop: asyncio.Event) -> None:
-        """Take the slot count from the group's trainer itself (its heartbeat in `tinker_trainers`),
-        so a planner configured with another number never assigns a slot the trainer lacks."""
-        while not stop.is_set():  # quickly until the first report, then every 5 s
-            reported = set()
+    async def _learn_groups(self, stop: asyncio.Event) -> None:
+        """Learn the trainer groups from their trainers' heartbeats (`tinker_trainers`): each
+        group's base model and slot count (a planner configured with another number never assigns
+        a slot the trainer lacks), and whether it is live (reported within `group_timeout_s`)."""
+        while not stop.is_set():  # quickly until the first report, then every second
+            reports: dict[str, list[TrainerStatus]] = {}
             for value in (await kv_scan(self.bus, s.KV_TRAINERS)).values():
                 status = codec.from_json(value, TrainerStatus)
-                if status.group == self.config.trainer_group and status.ready:
-                    reported.add(status.num_slots)
-            if reported:
-                await self._adopt_slots(min(reported))
+                reports.setdefault(status.group, []).append(status)
+            await self._adopt_groups(reports, now_ns())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0 if self._slots_known else 0.25)
+                await asyncio.wait_for(stop.wait(), 1.0 if self._slots_known else 0.25)
 
-    async def _adopt_slots(self, num_slots: int) -> None:
-        state = self.planner.state
-        if num_slots == state.num_slots and self._slots_known:
-            return
+    async def _adopt_groups(self, reports: dict[str, list[TrainerStatus]], now: int) -> None:
+        fresh_after = now - int(self.config.group_timeout_s * 1e9)
+        planner = self.planner
         async with self._lock:
-            if num_slots == state.num_slots:
-                self._slots_known = True
-                await self._advance()
+            groups = {g: replace(info, live=False) for g, info in planner.groups.items()}
+            if not self._slots_known:
+                groups = {}  # the default group of a planner not told about any yet
+            for group, statuses in reports.items():
+                ready = [st for st in statuses if st.ready]
+                if not ready:
+                    if group in groups:
+                        groups[group] = replace(groups[group], live=False)
+                    continue
+                num_slots = min(st.num_slots for st in ready)
+                held = max(planner.state.slots.get(group, {}), default=-1)
+                if held >= num_slots:
+                    log.error(
+                        "trainer group %s reports %d adapter slots, but slot %d is assigned; keeping %d until "
+                        "it is freed", group, num_slots, held, held + 1,
+                    )
+                    num_slots = held + 1
+                # Liveness by the planner's clock (hosts' clocks may differ): when did this group's
+                # newest heartbeat last change, as seen from here?
+                newest = max(st.updated_ns for st in ready)
+                if self._beats.get(group, (None, 0))[0] != newest:
+                    self._beats[group] = (newest, now)
+                live = self._beats[group][1] >= fresh_after
+                groups[group] = GroupInfo(num_slots=num_slots, base_model=ready[0].base_model, live=live)
+            if not groups or groups == planner.groups:
                 return
-            held = max(state.slots, default=-1)
-            if held >= num_slots:
-                log.error(
-                    "trainer group %s reports %d adapter slots, but slot %d is assigned; keeping %d until "
-                    "it is freed", self.config.trainer_group, num_slots, held, state.num_slots,
-                )
-                return
-            log.info(
-                "trainer group %s has %d adapter slots (planner configured with %d): planning with %d",
-                self.config.trainer_group, num_slots, state.num_slots, num_slots,
-            )
-            state.num_slots = num_slots
+            for group, info in sorted(groups.items()):
+                before = planner.groups.get(group) if self._slots_known else None
+                if before is None or before.live != info.live or before.num_slots != info.num_slots:
+                    log.info(
+                        "trainer group %s (%s): %d adapter slots, %s",
+                        group, info.base_model, info.num_slots, "live" if info.live else "LOST (no heartbeat)",
+                    )
+            planner.groups = groups
+            planner.state.num_slots = sum(info.num_slots for info in groups.values())
             self._slots_known = True
             await self._advance()
 

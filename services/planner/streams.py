@@ -92,6 +92,9 @@ class ModelStream:
     queue: list[Pending] = field(default_factory=list)
     slot: int | None = None  # the adapter slot it holds (resident), None when it holds none
     paged: bool = False  # its training state is in the trainer's page store (not resident)
+    group: str = ""  # the trainer group holding its state (resident, or paged in its store)
+    base_model: str = ""  # from its create_model: it is placed only on groups of this base
+    page_file: str = ""  # its last page-out's export (data-dir relative), "" when not exported
     last_used: int = -1  # number of the last unit that served it: least recently used goes first
     created: bool = False
     closed: bool = False
@@ -135,7 +138,7 @@ class ModelStream:
             pending.outputs = [None] * pending.num_datums
         if cmd.seq_id == 0 and not isinstance(cmd, UnloadModel):
             if isinstance(cmd, CreateModel):
-                self.tenant = cmd.tenant
+                self.tenant, self.base_model = cmd.tenant, cmd.base_model
             else:
                 self.close("was never created (its create_model, seq_id 0, did not arrive)")
         if isinstance(cmd, OptimStep):

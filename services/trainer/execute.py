@@ -221,9 +221,14 @@ class Executor:
             case PageOut():
                 moved = self.pages.page_out(self.engine, op.slot, op.model_id)
                 self.slot_models.pop(op.slot, None)
+                if op.export:
+                    self.pages.export(op.model_id, self.data_dir / op.export)
                 self._moved(ModelPagedOut, op, moved)
             case PageIn():
-                moved = self.pages.page_in(self.engine, op.slot, op.model_id)
+                if op.source:
+                    moved = self.pages.page_in_from(self.engine, op.slot, op.model_id, self.data_dir / op.source)
+                else:
+                    moved = self.pages.page_in(self.engine, op.slot, op.model_id)
                 self.slot_models[op.slot] = op.model_id
                 self._moved(ModelPagedIn, op, moved)
             case DropPaged():

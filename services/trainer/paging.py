@@ -136,6 +136,21 @@ class PageStore:
         self.drop(model_id)
         return Moved(paged.nbytes, (time.perf_counter() - started) * 1000, where)
 
+    def export(self, model_id: str, path: Path) -> None:
+        """Write the paged state (just paged out) to ``path`` durably (fsync), for another trainer
+        group to page in: the hand-over of a model between groups (a shared directory)."""
+        paged = self._host.get(model_id)
+        data = encode(paged) if paged is not None else self._files[model_id].read_bytes()
+        _write(path, data, sync=True)
+
+    def page_in_from(self, engine: TrainerEngine, slot: int, model_id: str, path: Path) -> Moved:
+        """Page in a state another group exported to ``path``; any copy of this store is stale."""
+        started = time.perf_counter()
+        paged = decode(path)
+        restore(engine, slot, paged)
+        self.drop(model_id)
+        return Moved(paged.nbytes, (time.perf_counter() - started) * 1000, "disk")
+
     def drop(self, model_id: str) -> None:
         self._host.pop(model_id, None)
         path = self._files.pop(model_id, None)
@@ -184,9 +199,14 @@ class PageStore:
         return spilled
 
 
-def _write(path: Path, data: bytes) -> None:
-    """A cache file: written whole or not at all (no fsync: a crash loses nothing it needs)."""
+def _write(path: Path, data: bytes, sync: bool = False) -> None:
+    """Written whole or not at all. A cache file needs no fsync (a crash loses nothing it needs);
+    an export (``sync``) does: another group reads it after this one acknowledged the page-out."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)

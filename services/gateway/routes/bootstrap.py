@@ -134,12 +134,15 @@ async def telemetry(data: w.TelemetrySendRequest, tenant: Tenant) -> w.Telemetry
 
 @get("/api/v1/get_server_capabilities", operation_id="get_server_capabilities")
 async def get_server_capabilities(gateway: Gateway, tenant: Tenant) -> w.GetServerCapabilitiesResponse:
-    model = gateway.model
     return w.GetServerCapabilitiesResponse(
         supported_models=[
             w.SupportedModel(
-                model_name=model.name, max_context_length=model.max_context, trainable=True, sampleable=True
+                model_name=model.name,
+                max_context_length=model.max_context,
+                trainable=True,
+                sampleable=model is gateway.model,  # samplers serve the primary base model
             )
+            for model in gateway.models
         ]
     )
 

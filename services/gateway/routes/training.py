@@ -66,7 +66,9 @@ async def _create(
     digest: str,
     user_metadata: dict[str, object] | None,
     restore: CheckpointRef | None,
+    base_model: str | None = None,
 ) -> w.UntypedAPIFuture:
+    base = base_model or gateway.model.name
     await owned_session(gateway, tenant, session_id)
     model_id = ids.model_id(session_id, model_seq_id)  # the SDK computes this id itself
     await quotas.check_live_models(gateway, tenant, model_id)
@@ -74,7 +76,7 @@ async def _create(
         model_id=model_id,
         tenant=tenant.id,
         session_id=session_id,
-        base_model=gateway.model.name,
+        base_model=base,
         lora=lora,
         created_ns=now_ns(),
         create_request_id=ids.request_id(model_id, 0),
@@ -89,7 +91,7 @@ async def _create(
         model_id=model_id,
         seq_id=0,
         session_id=session_id,
-        base_model=gateway.model.name,
+        base_model=base,
         lora=lora,
         user_metadata={k: str(v) for k, v in (user_metadata or {}).items()},
         restore=restore,
@@ -100,10 +102,10 @@ async def _create(
 
 @post("/api/v1/create_model", status_code=200, operation_id="create_model")
 async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
-    if not gateway.base_model_matches(data.base_model):
-        raise BadRequest(
-            f"base_model {data.base_model!r} is not served here; this deployment serves {gateway.model.name!r}"
-        )
+    served = gateway.served(data.base_model)
+    if served is None:
+        names = ", ".join(repr(m.name) for m in gateway.models)
+        raise BadRequest(f"base_model {data.base_model!r} is not served here; this deployment serves {names}")
     lora = data.lora_config or LoraConfig(rank=32)
     if not 1 <= lora.rank <= gateway.config.max_lora_rank:
         raise BadRequest(f"lora_config.rank must be in [1, {gateway.config.max_lora_rank}], got {lora.rank}")
@@ -125,13 +127,14 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
         digest,
         data.user_metadata,
         None,
+        served.name,
     )
 
 
 @post("/api/v1/get_info", status_code=200, operation_id="get_info")
 async def get_info(data: w.GetInfoRequest, gateway: Gateway, tenant: Tenant) -> w.GetInfoResponse:
     record = await owned_model(gateway, tenant, data.model_id)
-    model = gateway.model
+    model = gateway.model_named(record.base_model)
     return w.GetInfoResponse(
         model_id=record.model_id,
         model_data=w.ModelData(arch=model.arch, model_name=model.name, tokenizer_id=str(model.path)),

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+from libs.contracts.work import WorkUnit
 from services.planner.config import PlannerConfig
+from services.planner.planner import DEFAULT_GROUP
 from services.planner.service import PlannerService
 from services.planner.tests.sim import Sim, create, fb, rid
 
@@ -17,7 +19,7 @@ MS = 1_000_000
 def service_with(sim: Sim, cohort: set[str], coalesce_ms: float = 25.0) -> PlannerService:
     service = PlannerService(bus=None, config=PlannerConfig(coalesce_ms=coalesce_ms))  # type: ignore[arg-type]
     service.planner = sim.planner
-    service._cohort = frozenset(cohort)
+    service._cohorts = {DEFAULT_GROUP: frozenset(cohort)}
     return service
 
 
@@ -26,6 +28,17 @@ def started(*models: str) -> Sim:
     sim.send(*(create(m) for m in models))
     sim.run()
     return sim
+
+
+def next_work(sim: Sim) -> WorkUnit:
+    unit = sim.planner.decide()
+    assert isinstance(unit, WorkUnit)
+    return unit
+
+
+def stop_timers(service: PlannerService) -> None:
+    for timer in service._hold_timers:
+        timer.cancel()
 
 
 def test_awaited_names_cohort_models_without_ready_datums() -> None:
@@ -39,19 +52,18 @@ def test_awaited_names_cohort_models_without_ready_datums() -> None:
 
 def test_a_unit_is_held_until_the_cohort_arrives() -> None:
     """With nothing in flight, the first arrival of a two-model cohort is held; the second
-    arrival ends the hold (the unit would then pack both)."""
+    arrival ends the hold, and the unit then packs both."""
 
     async def scenario() -> None:
         sim = started("a", "b")
         service = service_with(sim, {"a", "b"})
         sim.send(fb("a", 1, [4]))
-        assert service._holding(1_000 * MS)
+        assert service._holding(next_work(sim), 1_000 * MS)
         sim.send(fb("b", 1, [3]))
-        assert not service._holding(1_001 * MS)
-        [unit] = sim.plan()
-        assert sorted(item.request_id for item in unit.items) == [rid("a", 1), rid("b", 1)]  # type: ignore[union-attr]
-        for timer in service._hold_timers:
-            timer.cancel()
+        unit = next_work(sim)
+        assert not service._holding(unit, 1_001 * MS)
+        assert sorted(item.request_id for item in unit.items) == [rid("a", 1), rid("b", 1)]
+        stop_timers(service)
 
     asyncio.run(scenario())
 
@@ -63,25 +75,34 @@ def test_a_hold_ends_at_its_deadline() -> None:
         sim = started("a", "b")
         service = service_with(sim, {"a", "b"}, coalesce_ms=25.0)
         sim.send(fb("a", 1, [4]))
-        assert service._holding(1_000 * MS)
-        assert service._holding(1_024 * MS)
-        assert not service._holding(1_025 * MS)
-        for timer in service._hold_timers:
-            timer.cancel()
+        unit = next_work(sim)
+        assert service._holding(unit, 1_000 * MS)
+        assert service._holding(unit, 1_024 * MS)
+        assert not service._holding(unit, 1_025 * MS)
+        stop_timers(service)
 
     asyncio.run(scenario())
 
 
-def test_a_lone_tenant_and_a_busy_pipeline_never_hold() -> None:
-    """No hold for a cohort of one, with a unit in flight, or with coalescing off."""
+def test_a_lone_tenant_and_a_busy_group_never_hold() -> None:
+    """No hold for a cohort of one, with a unit of the group in flight, or with coalescing off."""
 
     async def scenario() -> None:
         sim = started("a", "b")
         sim.send(fb("a", 1, [4]))
-        assert not service_with(sim, {"a"})._holding(0)
-        assert not service_with(sim, {"a", "b"}, coalesce_ms=0)._holding(0)
+        unit = next_work(sim)
+        assert not service_with(sim, {"a"})._holding(unit, 0)
+        assert not service_with(sim, {"a", "b"}, coalesce_ms=0)._holding(unit, 0)
         sim.plan()  # a's unit is now in flight
         sim.send(fb("a", 2, [4]))
-        assert not service_with(sim, {"a", "b"})._holding(0)
+        assert not service_with(sim, {"a", "b"})._holding(next_work(sim), 0)
 
     asyncio.run(scenario())
+
+
+def test_decide_skips_held_groups() -> None:
+    """`decide(skip=...)` offers nothing for a held group (the service plans other groups)."""
+    sim = started("a")
+    sim.send(fb("a", 1, [4]))
+    assert sim.planner.decide(skip=frozenset({DEFAULT_GROUP})) is None
+    assert isinstance(sim.planner.decide(), WorkUnit)

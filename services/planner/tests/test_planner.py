@@ -58,7 +58,7 @@ def rows(unit: Unit) -> list[tuple[str, int]]:
     return [(item.request_id, item.index) for item in unit.items]
 
 
-def ops(unit: Unit) -> list[type]:
+def ops(unit: Unit) -> list[type[object]]:
     assert isinstance(unit, BarrierUnit)
     return [type(op) for op in unit.ops]
 
@@ -424,7 +424,7 @@ def test_a_create_pages_out_an_idle_model_which_pages_back_in_for_its_next_comma
     sim.finish(work)
     sim.send(fb("a", 1, [3]))
     page_in, work_a = sim.plan()  # a's datum needs no barrier to finish first: packed at once
-    assert ops(page_in) == [PageOut, PageIn]
+    assert ops(page_in) == [PageOut, PageIn]  # type: ignore[list-item]
     assert [(op.model_id, op.slot) for op in page_in.ops] == [("b", 0), ("a", 0)]  # type: ignore[union-attr]
     assert isinstance(work_a, WorkUnit) and work_a.items[0].model_id == "a"
     sim.finish(page_in)
@@ -517,7 +517,7 @@ def test_every_request_of_a_closed_model_completes_once() -> None:
     assert "was unloaded" in sim.failure("a:6").error
     sim.send(optim("a", 7))
     sim.assert_all_completed_once()
-    assert "a" not in sim.planner.state.slots.values()
+    assert all("a" not in held.values() for held in sim.planner.state.slots.values())
 
 
 def test_a_model_whose_create_never_arrived_fails_its_requests() -> None:

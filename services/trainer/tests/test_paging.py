@@ -86,6 +86,43 @@ def test_a_paged_model_trains_on_bit_identically_after_paging_back_in(
     assert not list((tmp_path / "paged").glob("*.safetensors"))  # the spill file went on page-in
 
 
+@pytest.mark.parametrize("budget", [1 << 40, 0], ids=["host", "disk"])
+def test_a_model_exported_by_one_group_trains_on_bit_identically_in_another(
+    qwen_dir: Path,
+    reference: tuple[list[np.ndarray], dict[str, torch.Tensor]],
+    tmp_path: Path,
+    budget: int,
+) -> None:
+    """X is paged out of group A's engine with gradients pending and exported to a file; group
+    B (another engine, another page store) pages it in from that file: its logprobs and final
+    state equal the uninterrupted run's exactly, and B's store holds nothing of it."""
+    group_a = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=2, max_lora_rank=8))
+    group_b = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=2, max_lora_rank=8))
+    store_a = paging.PageStore(tmp_path / "a" / "paged", host_budget_bytes=budget)
+    store_b = paging.PageStore(tmp_path / "b" / "paged", host_budget_bytes=budget)
+    group_a.init_slot(0, X)
+    logprobs = []
+    for step in range(3):
+        logprobs += _fb(group_a, 0, step)
+        if step != 2:
+            group_a.optim_step({0: HP})
+    store_a.page_out(group_a, 0, "x")
+    export = tmp_path / "exports" / "x" / "u1.safetensors"
+    store_a.export("x", export)
+    moved = store_b.page_in_from(group_b, 1, "x", export)
+    assert moved.where == "disk" and moved.nbytes > 0 and "x" not in store_b
+    assert group_b.has_pending_grads(1)
+    for step in range(3, 5):
+        logprobs += _fb(group_b, 1, step)
+        group_b.optim_step({1: HP})
+    want_logprobs, want_state = reference
+    assert all(np.array_equal(a, b) for a, b in zip(logprobs, want_logprobs, strict=True))
+    got = _state(group_b, 1)
+    assert set(got) == set(want_state)
+    for name, value in want_state.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_a_snapshot_holds_paged_models_and_restores_them(
     engine: TrainerEngine, qwen_dir: Path, tmp_path: Path
 ) -> None:
