@@ -293,7 +293,7 @@ class Planner:
         best_rows: tuple[ModelStream, Pending] | None = None
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
-        waiting: tuple[ModelStream, Pending] | None = None
+        waiting: list[tuple[int, ModelStream, Pending]] = []
         for stream in self._active_streams():
             if stream.closed:
                 continue
@@ -301,8 +301,7 @@ class Planner:
             if head is None or self._on_lost_group(stream):
                 continue  # a resident model of a lost group waits for it (its state is there)
             if self._needs_slot(stream, head):
-                if waiting is None or head.arrival < waiting[1].arrival:
-                    waiting = (stream, head)
+                waiting.append((head.arrival, stream, head))
                 continue
             if self._group_of(stream) in full:
                 continue  # its group's pipeline is full: decided when an outcome frees it
@@ -313,14 +312,36 @@ class Planner:
                 best_rows, best_barrier = (stream, head), None
             else:
                 best_rows, best_barrier = None, (stream, head)
-        if waiting is not None and (best_arrival is None or waiting[1].arrival < best_arrival):
-            unit = self._residency_unit(*waiting)
-            if unit is not None and unit.group not in full:
-                return unit
+        unit = self._placing_unit(waiting, best_arrival, full)
+        if unit is not None:
+            return unit
         if best_rows is not None:
             return self._work_unit(*best_rows)
         if best_barrier is not None:
             return self._barrier_unit(*best_barrier)
+        return None
+
+    def _placing_unit(
+        self, waiting: list[tuple[int, ModelStream, Pending]], before: int | None, full: set[str]
+    ) -> BarrierUnit | None:
+        """The residency unit of the oldest model waiting for a slot that can be placed now (and
+        arrived before `before`, the oldest runnable resident command). A model that cannot be
+        placed blocks the younger ones that compete for its groups (no overtaking on the same
+        slots), not those of other groups: a create on a lost or full group never holds up one
+        on a free group."""
+        blocked: set[str] = set()
+        for arrival, stream, head in sorted(waiting, key=lambda w: w[0]):
+            if before is not None and arrival >= before:
+                break
+            groups = set(self._candidate_groups(stream, head))
+            if groups & blocked:
+                continue
+            unit = self._residency_unit(stream, head)
+            if unit is not None and unit.group not in full:
+                return unit
+            blocked |= groups
+            if blocked >= set(self.groups):
+                break  # nothing younger can be placed either (one group: after the first)
         return None
 
     def plan(self) -> list[Unit]:
@@ -405,7 +426,7 @@ class Planner:
             return by_load
         home = self._group_of(stream)
         if not stream.page_file:
-            return [home] if home in self.groups else []  # only its own group holds its state
+            return [home] if home in live else []  # only its own group holds its state: wait for it
         return [*([home] if home in live else []), *(g for g in by_load if g != home)]
 
     def _on_lost_group(self, stream: ModelStream) -> bool:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -77,6 +79,7 @@ class PlannerService:
         self._cohorts: dict[str, frozenset[str]] = {}
         self._holds: dict[str, int] = {}
         self._hold_timers: set[asyncio.Task[None]] = set()
+        self._timer_failed: asyncio.Future[None] | None = None  # set by a failed hold timer (run)
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
@@ -139,13 +142,15 @@ class PlannerService:
             await self._publish_completions(self._replayed)
             await self._advance()  # anything the replay left plannable
         log.info("planner ready")
-        tasks = [
+        self._timer_failed = asyncio.get_running_loop().create_future()
+        tasks: list[asyncio.Future[Any]] = [
+            self._timer_failed,
             asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
             asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
             asyncio.create_task(self._learn_groups(stop)),
         ]
-        stopping = asyncio.create_task(stop.wait())
+        stopping: asyncio.Future[Any] = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for timer in list(self._hold_timers):
             timer.cancel()
@@ -191,7 +196,7 @@ class PlannerService:
         await self._publish_completions(self.planner.collect())
         if not self._slots_known:
             return  # nothing is planned before the trainer said how many adapter slots it has
-        now, held = now_ns(), set[str]()
+        now, held = time.monotonic_ns(), set[str]()  # holds run on the loop's clock, not the wall's
         while (unit := self.planner.decide(skip=frozenset(held))) is not None:
             if isinstance(unit, WorkUnit) and self._holding(unit, now):
                 held.add(unit.group)  # other groups' units still go now
@@ -232,11 +237,21 @@ class PlannerService:
             until = self._holds[group] = now + int(self.config.coalesce_ms * 1e6)
             timer = asyncio.create_task(self._end_hold(group, until))
             self._hold_timers.add(timer)
-            timer.add_done_callback(self._hold_timers.discard)
+            timer.add_done_callback(self._hold_ended)
         return now < until
 
+    def _hold_ended(self, timer: asyncio.Task[None]) -> None:
+        """A timer's `_advance` that failed (a publish timing out) ends the planner, as a failed
+        loop does: a unit applied but never appended must not sit in the in-flight count."""
+        self._hold_timers.discard(timer)
+        failed = self._timer_failed
+        if failed is None or failed.done() or timer.cancelled():
+            return
+        if (exc := timer.exception()) is not None:
+            failed.set_exception(exc)
+
     async def _end_hold(self, group: str, until_ns: int) -> None:
-        await asyncio.sleep(max(0.0, (until_ns - now_ns()) / 1e9))  # a deadline, not synchronisation
+        await asyncio.sleep(max(0.0, (until_ns - time.monotonic_ns()) / 1e9))  # a deadline, not synchronisation
         async with self._lock:
             if self._holds.get(group) == until_ns:
                 await self._advance()

@@ -183,3 +183,27 @@ def test_a_resident_model_of_a_lost_group_waits_for_it_and_runs_there_when_it_is
     (back,) = sim.plan()
     assert isinstance(back, WorkUnit) and back.group == "a" and {i.model_id for i in back.items} == {"m1"}
     assert sim.planner.waiting() == {}
+
+
+def test_a_create_that_cannot_be_placed_does_not_hold_up_one_for_another_group() -> None:
+    """Group a (base X) is lost, group b (base Y) is free: m1's create on X waits with
+    WAIT_GROUP, and m2's create on Y, which arrived after it, is placed on b at once."""
+    sim = grouped(slots=1, bases=("base-x", "base-y"))
+    sim.planner.groups["a"] = GroupInfo(num_slots=1, base_model="base-x", live=False)
+    sim.send(create_on("m1", "base-x"), create_on("m2", "base-y"))
+    assert placed(sim.run()) == {"m2": "b"}
+    assert sim.planner.waiting() == {rid("m1", 0): WAIT_GROUP}
+
+
+def test_a_create_waiting_for_a_busy_group_does_not_hold_up_one_for_a_free_group() -> None:
+    """Group a's only slot holds a model with work in flight; a create for a's base waits for it,
+    and a younger create for b's base is placed on b meanwhile."""
+    sim = grouped(slots=1, bases=("base-x", "base-y"))
+    sim.send(create_on("m0", "base-x"))
+    sim.run()
+    sim.send(fb("m0", 1, [3]))
+    [busy] = sim.plan()  # m0's unit in flight: m0 cannot be paged out
+    sim.send(create_on("m1", "base-x"), create_on("m2", "base-y"))
+    assert placed(sim.plan()) == {"m2": "b"}
+    assert sim.planner.waiting() == {rid("m1", 0): WAIT_SLOTS}
+    sim.finish(busy)
