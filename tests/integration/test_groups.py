@@ -35,7 +35,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     # no sampler or publisher: nothing here samples or saves (and the trainers start faster)
     services = ("trainer", "planner", "gateway")
-    running = Stack(tmp_path_factory.mktemp("groups"), services=services, env_overrides=env).start()
+    live = {group: threading.Event() for group in GROUPS}
+
+    def on_line(service: str, line: str) -> None:  # the planner's "trainer group a (...): N adapter slots, live"
+        for group, seen in live.items():
+            if service == "planner" and f"trainer group {group} (" in line and line.rstrip().endswith(", live"):
+                seen.set()
+
+    running = Stack(
+        tmp_path_factory.mktemp("groups"), services=services, env_overrides=env, listeners=[on_line]
+    ).start()
+    # A trainer is ready before the planner has read its first heartbeat: placement by load needs
+    # the planner to know both groups, so the tests start once it has said so for each.
+    for group, seen in live.items():
+        assert seen.wait(60), f"the planner never saw trainer group {group} live"
     try:
         yield running
     finally:
