@@ -88,6 +88,11 @@ class SequentialClient:
             self.calls.append(Call(kind, start, time.time_ns(), warmup))
 
 
+def stored_ns(msg: Any) -> int:
+    """When JetStream stored ``msg`` (its server timestamp), in ns since the epoch."""
+    return int(msg.metadata.timestamp.timestamp() * 1e9)
+
+
 def overhead_rows(
     label: str, nats_url: str, model_id: str, calls: list[Call]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -103,9 +108,18 @@ def overhead_rows(
             break
         time.sleep(0.2)
     outcomes = stream_messages(
-        nats_url, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, lambda m: codec.outcome_decoder.decode(m.data)
+        nats_url, s.STREAM_OUTCOMES, s.OUTCOMES_ALL, lambda m: (codec.outcome_decoder.decode(m.data), stored_ns(m))
     )
-    executed = {o.unit_id: o for o in outcomes}
+    executed = {o.unit_id: o for o, _ in outcomes}
+    outcome_stored = {o.unit_id: at for o, at in outcomes}
+    result_stored = dict(
+        stream_messages(
+            nats_url,
+            s.STREAM_RESULTS,
+            s.RESULTS_ALL,
+            lambda m: (codec.result_decoder.decode(m.data).request_id, stored_ns(m)),
+        )
+    )
     done = {e.unit_id: e for e in by_tag["unit_done"]}
     started = {e.unit_id: e for e in by_tag["started"]}
     completed = {e.request_id: e for e in by_tag["completed"]}
@@ -113,7 +127,10 @@ def overhead_rows(
     for planned in by_tag["planned"]:
         for request_id in planned.requests:
             units[request_id].append(planned)
-    accepted = sorted((e for e in by_tag["accepted"] if e.model_id == model_id), key=lambda e: e.seq_id)
+    first = min(call.start_ns for call in calls)  # the model may have run calls before these
+    accepted = sorted(
+        (e for e in by_tag["accepted"] if e.model_id == model_id and e.at_ns >= first), key=lambda e: e.seq_id
+    )
     order = {kind: [e for e in accepted if e.kind == kind] for kind in ("forward_backward", "optim_step")}
     taken = {kind: iter(events_) for kind, events_ in order.items()}
 
@@ -140,6 +157,13 @@ def overhead_rows(
         row["3 trainer execute"].append(exec_ms)
         row["4 execute end -> result published (outcome, planner)"].append(
             (completed[acc.request_id].at_ns - last.finished_ns) / 1e6
+        )
+        # stage 4 split by the server's storage stamps (one host: one clock)
+        row["4a execute end -> outcome stored (trainer)"].append(
+            (outcome_stored[last.unit_id] - last.finished_ns) / 1e6
+        )
+        row["4b outcome stored -> result stored (planner)"].append(
+            (result_stored[acc.request_id] - outcome_stored[last.unit_id]) / 1e6
         )
         row["5 result published -> SDK has it (long-poll)"].append(
             (call.end_ns - completed[acc.request_id].at_ns) / 1e6

@@ -51,6 +51,30 @@ from services.planner.streams import SEALED
 
 log = logging.getLogger("tinkerd.planner")
 
+SLOW_BATCH_MS = 50.0  # a batch whose handling takes longer is logged with its phases
+
+
+class Phases:
+    """Where one batch's handling spent its time (lock wait, fold, each step of `_advance`),
+    logged only when the whole took longer than SLOW_BATCH_MS: the planner's share of a call's
+    latency is read from the log of a real run, not guessed."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.last = time.perf_counter_ns()
+        self.spent: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter_ns()
+        self.spent.append((phase, (now - self.last) / 1e6))
+        self.last = now
+
+    def report(self) -> None:
+        total = sum(ms for _, ms in self.spent)
+        if total >= SLOW_BATCH_MS:
+            parts = ", ".join(f"{phase} {ms:.1f}" for phase, ms in self.spent if ms >= 0.5)
+            log.info("slow %s: %.1f ms (%s)", self.what, total, parts)
+
 
 async def ensure_consumers(bus: Bus) -> None:
     for durable in planner_durables():
@@ -165,7 +189,9 @@ class PlannerService:
                 raise RuntimeError("a planner loop failed") from task.exception()
 
     async def _on_requests(self, msgs: list[Msg]) -> None:
+        phases = Phases(f"request batch ({len(msgs)})")
         async with self._lock:
+            phases.mark("lock wait")
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 command = codec.command_decoder.decode(msg.data)
@@ -173,27 +199,37 @@ class PlannerService:
                 self._positions = msgspec.structs.replace(
                     self._positions, requests=max(self._positions.requests, seq)
                 )
-            await self._advance()
+            phases.mark("fold")
+            await self._advance(phases)
             crash_point("planner.requests_planned")  # fault tests: units appended, requests not acked
             for msg in msgs:
                 await msg.ack()
+            phases.mark("ack")
+        phases.report()
 
     async def _on_outcomes(self, msgs: list[Msg]) -> None:
+        phases = Phases(f"outcome batch ({len(msgs)})")
         async with self._lock:
+            phases.mark("lock wait")
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
                 self._positions = msgspec.structs.replace(
                     self._positions, outcomes=max(self._positions.outcomes, seq)
                 )
-            await self._advance()
+            phases.mark("fold")
+            await self._advance(phases)
             crash_point("planner.outcomes_folded")  # fault tests: results appended, outcomes not acked
             for msg in msgs:
                 await msg.ack()
+            phases.mark("ack")
+        phases.report()
 
-    async def _advance(self) -> None:
+    async def _advance(self, phases: Phases | None = None) -> None:
         """Publish finished requests and every unit that became plannable (in order)."""
+        phases = phases or Phases("advance")
         await self._publish_completions(self.planner.collect())
+        phases.mark("results")
         if not self._slots_known:
             return  # nothing is planned before the trainer said how many adapter slots it has
         now, held = time.monotonic_ns(), set[str]()  # holds run on the loop's clock, not the wall's
@@ -206,10 +242,15 @@ class PlannerService:
             if isinstance(unit, WorkUnit):
                 self._cohorts[unit.group] = frozenset(item.model_id for item in unit.items)
                 self._holds.pop(unit.group, None)
+        phases.mark("decide and emit")
         await self._publish_completions(self.planner.collect())
+        phases.mark("results")
         await self._publish_queue_state()
+        phases.mark("queue state")
         await self._publish_model_summaries()
+        phases.mark("model summaries")
         await self._maybe_snapshot()
+        phases.mark("snapshot")
 
     def _holding(self, unit: WorkUnit, now: int) -> bool:
         """Whether to hold `unit` back, so that tenants stepping in lockstep share one unit.

@@ -118,6 +118,7 @@ class TrainerService:
                     outcome, publishes = await self._run_with_watchdog(unit)
             finally:
                 working.cancel()
+            executed = time.perf_counter()
             for event in self.executor.events:
                 self.bus.emit_soon(event)
             self.executor.events.clear()
@@ -132,6 +133,8 @@ class TrainerService:
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
             crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
+            if (handoff_ms := (time.perf_counter() - executed) * 1e3) >= 50:
+                log.info("unit %s: outcome published %.1f ms after execute ended", unit.unit_id, handoff_ms)
             self.completed.add(unit.unit_id)
             await msg.ack()
             self.last_work_seq = seq
