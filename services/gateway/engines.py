@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class Residency:
         await asyncio.shield(pending)  # a cancelled sample does not cancel a load others wait for
 
     async def _load(self, name: str, directory: str) -> None:
+        started = time.perf_counter()
         try:
             reported = await sglang.load_adapter(self.client, self.url, name, directory)
             self.loads += 1
@@ -109,7 +111,13 @@ class Residency:
             self.resident.move_to_end(name)
             if reported is not None and name in reported:  # a report without it cannot be trusted
                 self._reconcile(reported)
-            log.info("loaded adapter %s into %s (%d held)", name, self.url, len(self.resident))
+            log.info(
+                "loaded adapter %s into %s in %.0f ms (%d held)",
+                name,
+                self.url,
+                (time.perf_counter() - started) * 1e3,
+                len(self.resident),
+            )
         finally:
             del self._loading[name]
 
