@@ -14,11 +14,24 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 from libs.faults import crash_point, service_point
 
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+
+
+class StreamedFile(Protocol):
+    """A file's contents produced while it is written (``tensor_file.TensorFile``)."""
+
+    def __len__(self) -> int: ...
+
+    def write_to(self, handle: BinaryIO, midway: Callable[[], None]) -> None: ...
+
+
+FileData = bytes | StreamedFile
 
 
 def _fs_token(value: str) -> str:
@@ -51,7 +64,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_dir_atomically(
     final: Path,
-    files: dict[str, bytes] | None = None,
+    files: dict[str, FileData] | None = None,
     copy_from: Path | None = None,
     links: dict[str, Path] | None = None,
     link_from: Path | None = None,
@@ -110,9 +123,12 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         _copy_file(src, dst)
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _write_file(path: Path, data: FileData) -> None:
     """Write `data`; the fault point sits mid-file, where a full disk or a crash would strike."""
     with open(path, "wb") as handle:
+        if not isinstance(data, bytes):
+            data.write_to(handle, lambda: service_point("checkpoint_write"))
+            return
         half = len(data) // 2
         handle.write(data[:half])
         service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC with half a file written

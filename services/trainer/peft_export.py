@@ -38,13 +38,15 @@ def _split_b(suffix: str, b: torch.Tensor, shape: ModelShape) -> tuple[torch.Ten
         return split_qkv(b, shape)
     if suffix == "mlp.linear_fc1":
         return split_glu(b)
-    return (b.clone(),)
+    return (b,)
 
 
 def export_peft(
     state: SlotState, shape: ModelShape, base_model_name_or_path: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """PEFT tensors (``...lora_A.weight`` (r, in), ``...lora_B.weight`` (out, r)) and config."""
+    """PEFT tensors (``...lora_A.weight`` (r, in), ``...lora_B.weight`` (out, r)) and config.
+
+    The tensors may share memory with ``state`` (a host copy made for this export): no clones."""
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
     for i in range(shape.num_layers):
@@ -57,12 +59,12 @@ def export_peft(
             bs = _split_b(suffix, state.adapter[f"{key}.lora_B"], shape)  # each [out_part, r]
             for hf_name, a_part, b in zip(hf_names, a_parts, bs, strict=True):
                 base = f"{_PREFIX}model.layers.{i}.{hf_name}"
-                tensors[f"{base}.lora_A.weight"] = a_part.clone().contiguous()
+                tensors[f"{base}.lora_A.weight"] = a_part.contiguous()
                 tensors[f"{base}.lora_B.weight"] = b.contiguous()
                 targets.add(hf_name.split(".")[-1])
     if "output_layer.lora_A" in state.adapter:
-        tensors[f"{_PREFIX}lm_head.lora_A.weight"] = state.adapter["output_layer.lora_A"].clone().contiguous()
-        tensors[f"{_PREFIX}lm_head.lora_B.weight"] = state.adapter["output_layer.lora_B"].clone().contiguous()
+        tensors[f"{_PREFIX}lm_head.lora_A.weight"] = state.adapter["output_layer.lora_A"].contiguous()
+        tensors[f"{_PREFIX}lm_head.lora_B.weight"] = state.adapter["output_layer.lora_B"].contiguous()
         targets.add("lm_head")
     config: dict[str, Any] = {
         "peft_type": "LORA",

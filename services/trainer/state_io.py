@@ -6,21 +6,23 @@ from pathlib import Path
 
 import msgspec
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from libs.checkpoints import state_format as fmt
+from libs.checkpoints.layout import FileData
+from libs.checkpoints.tensor_file import TensorFile
 from services.trainer.slot_state import SlotState
 
 
-def training_state_files(state: SlotState, meta: fmt.TrainingStateMeta) -> dict[str, bytes]:
+def training_state_files(state: SlotState, meta: fmt.TrainingStateMeta) -> dict[str, FileData]:
     optimizer: dict[str, torch.Tensor] = {}
     for name, tensor in state.exp_avg.items():
-        optimizer[f"exp_avg.{name}"] = tensor.contiguous()
+        optimizer[f"exp_avg.{name}"] = tensor
     for name, tensor in state.exp_avg_sq.items():
-        optimizer[f"exp_avg_sq.{name}"] = tensor.contiguous()
+        optimizer[f"exp_avg_sq.{name}"] = tensor
     return {
-        fmt.ADAPTER_FILE: save({k: v.contiguous() for k, v in state.adapter.items()}),
-        fmt.OPTIMIZER_FILE: save(optimizer),
+        fmt.ADAPTER_FILE: TensorFile(state.adapter),
+        fmt.OPTIMIZER_FILE: TensorFile(optimizer),
         fmt.STATE_FILE: msgspec.json.encode(meta),
     }
 
@@ -49,9 +51,9 @@ def read_training_state(directory: Path) -> tuple[SlotState, fmt.TrainingStateMe
 
 def peft_files(
     tensors: dict[str, torch.Tensor], adapter_config: dict[str, object], meta: fmt.SamplerExportMeta
-) -> dict[str, bytes]:
+) -> dict[str, FileData]:
     return {
-        "adapter_model.safetensors": save({k: v.contiguous() for k, v in tensors.items()}),
+        "adapter_model.safetensors": TensorFile(tensors),
         "adapter_config.json": msgspec.json.format(msgspec.json.encode(adapter_config), indent=2),
         fmt.EXPORT_META: msgspec.json.encode(meta),
     }

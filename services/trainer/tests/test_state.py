@@ -121,7 +121,11 @@ def test_a_checkpoint_of_an_older_lora_shape_is_refused_naming_its_format(
     state = engine.get_slot_state(0)
     meta = fmt.TrainingStateMeta(base_model="m", model_id="x", tenant="t", lora=state.config, step=0)
     for name, data in training_state_files(state, meta).items():
-        (tmp_path / name).write_bytes(data)
+        with open(tmp_path / name, "wb") as handle:
+            if isinstance(data, bytes):
+                handle.write(data)
+            else:
+                data.write_to(handle, lambda: None)
     doc = msgspec.json.decode((tmp_path / fmt.STATE_FILE).read_bytes())
     doc["format_version"] = version
     if version == 1:  # format 1 spelled the LoRA config flat
