@@ -69,7 +69,7 @@ class TensorFile:
         half, written, called = len(self) // 2, 8 + len(self.header), False
         for tensor in self.tensors.values():
             if tensor.numel():
-                handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory
                 written += tensor.numel() * tensor.element_size()
             if not called and written >= half:
                 midway()
