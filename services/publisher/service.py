@@ -87,11 +87,19 @@ class PublisherService:
                 shutil.rmtree(publish.staging_dir, ignore_errors=True)
                 await msg.ack()
                 continue
+            started = time.perf_counter()
             try:
                 with tracing.span(
                     "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
                 ):
                     body = await self.publish(publish)
+                log.info(
+                    "published %s (%s) in %.0f ms, %.0f ms after the trainer wrote its files",
+                    publish.request_id,
+                    publish.kind,
+                    (time.perf_counter() - started) * 1e3,
+                    (now_ns() - publish.at_ns) / 1e6,
+                )
             except OSError as exc:  # a full disk: the writer removed its temporary directory
                 log.exception("publishing %s failed", publish.request_id)
                 shutil.rmtree(publish.staging_dir, ignore_errors=True)  # this publication is over
