@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -64,7 +64,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_dir_atomically(
     final: Path,
-    files: dict[str, FileData] | None = None,
+    files: Mapping[str, FileData] | None = None,
     copy_from: Path | None = None,
     links: dict[str, Path] | None = None,
     link_from: Path | None = None,

@@ -110,6 +110,8 @@ class TrainerService:
                 continue
             self.bus.emit_soon(UnitStarted(unit_id=unit.unit_id, trainer=self.trainer_id, at_ns=now_ns()))
             started = now_ns()
+            if unit.at_ns and (waited_ms := (started - unit.at_ns) / 1e6) >= 50:
+                log.info("unit %s started %.1f ms after the planner emitted it", unit.unit_id, waited_ms)
             working = asyncio.create_task(self._keep_alive(msg))
             try:
                 with tracing.span(
