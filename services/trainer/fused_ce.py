@@ -149,12 +149,13 @@ class FusedLinearLogprobs(torch.autograd.Function):
         for piece in ctx.plan:
             sl = slice(piece.start, piece.end)
             logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
-            grad = torch.exp(logits.float() - lse[sl, None])  # [t, Vl] softmax
-            grad.mul_(-g[sl, None])
+            grad = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
+            del logits
+            grad.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])  # -g * softmax
             hit = torch.where(inside[sl], g[sl], torch.zeros((), dtype=g.dtype, device=g.device))
             grad.scatter_add_(-1, index[sl, None], hit[:, None])
             grad_c = grad.to(h.dtype)  # [t, Vl]
-            del grad, logits
+            del grad
             if dh is not None:
                 dh[sl] = grad_c @ weight
             j = piece.lora
@@ -212,19 +213,19 @@ def lm_head_logprobs(
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    rows = hidden.reshape(hidden.shape[0], hidden.shape[-1])  # [T, H]
+    from services.trainer.lora import lora_scaling
+
     weight = (
         model.shared_embedding_or_output_weight()
         if model.share_embeddings_and_output_weights
         else model.output_layer.weight
     )  # [V/tp, H]
+    rows = hidden.reshape(hidden.shape[0], hidden.shape[-1]).to(weight.dtype)  # [T, H]
     adapter = pool.adapter("output_layer")
     configs = pool.routing.configs
     segments: list[tuple[int, int, int]] = []
     us: list[torch.Tensor] = []
     bs: list[torch.Tensor] = []
-    from services.trainer.lora import lora_scaling
-
     for seg in pool.routing.segments:
         config = configs[seg.slot]
         if not config.trains("unembed"):
