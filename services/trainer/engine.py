@@ -72,6 +72,11 @@ def resolve_backend(name: str, device: str) -> str:
     return "varlen_flash" if device == "cuda" else "sdpa_per_document"
 
 
+def resolve_fused_ce(flag: bool | None, device: str) -> bool:
+    """`None` turns the fused linear cross-entropy on for CUDA and leaves a CPU on the unfused path."""
+    return flag if flag is not None else device == "cuda"
+
+
 @dataclass(frozen=True)
 class DatumOutput:
     """One datum's result: target-token log-probabilities and its loss (a plain sum)."""
@@ -104,9 +109,7 @@ class TrainerEngine:
         # One-column targets: log-probabilities from the hidden states by the chunked fused
         # linear cross-entropy (no [T, vocab] logits), or megatron's output layer + vocab-parallel
         # cross-entropy. Equal within rounding; the CPU default keeps the unfused path.
-        self.fused_ce = (
-            config.fused_cross_entropy if config.fused_cross_entropy is not None else config.device == "cuda"
-        )
+        self.fused_ce = resolve_fused_ce(config.fused_cross_entropy, config.device)
         self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
 
     # ---- slot lifecycle ----
