@@ -366,6 +366,17 @@ class Bench:
         with torch.no_grad():  # non-zero B, so every adapter changes the logits (same speed)
             for adapter in engine.pool.adapters.values():
                 adapter.lora_B.normal_(0.0, 1e-3)
+        fused_ok = True
+        try:  # one probe step: should the fused path fail here, the section measures the unfused one
+            engine.forward_backward(self.datums(self.doc_len(1024), 2, 2), "cross_entropy")
+            for slot in range(8):
+                engine.discard_grads(slot)
+        except Exception:
+            fused_ok = False
+            engine.fused_ce = False
+            self.results.error("engine/fused_ce", traceback.format_exc())
+            self.log("!! fused cross-entropy failed; measuring the unfused path", traceback.format_exc())
+        self.results.put("engine", "fused_ce", fused_ok)
 
         def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
             n = self.doc_len(doc_len)
@@ -391,11 +402,11 @@ class Bench:
             run(name, doc_len, docs, tenants, backend)
 
         engine.fused_ce = False
-        for name in UNFUSED_CE_WORKLOADS:
+        for name in UNFUSED_CE_WORKLOADS if fused_ok else []:
             if self.time_left() < 200:
                 continue
             run(*by_name[name], label=f"{backend} unfused-ce")
-        engine.fused_ce = True
+        engine.fused_ce = fused_ok
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]

@@ -203,9 +203,11 @@ def test_function_matches_full_logits_on_cpu() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_fused_matches_fp32_reference() -> None:
     """bf16 on CUDA at Qwen3's vocabulary (151,936) and hidden size 4096, 2300 tokens in three
-    segments (two with an lm_head LoRA), default pieces: logprobs within 0.05 absolute (bf16
-    logits round by ~2^-9 relative, |logit| up to ~10) and the gradients of h, u and B within
-    2 % of each tensor's largest entry, against fp32 full-logits on the same (bf16-rounded) inputs."""
+    segments (two with an lm_head LoRA), default pieces, against fp32 full logits on the same
+    (bf16-rounded) inputs. The fused logits are rounded to bf16 once (relative 2^-9); with logits
+    of std 2, |logit| < 16 over all 3.5e8 of them, so a logprob (target logit minus log-sum-exp)
+    is off by at most 2 * 2^-9 * 16 = 0.0625: bound 0.07. Gradients (bf16 d logits, fp32
+    accumulation): within 2 % of each tensor's largest entry."""
     ensure_model_parallel("cuda")
     h, w, y, segs, us, bs, g = _inputs("cuda", torch.bfloat16, 151_936, 4096, seed=1)
     lp = fused_target_logprobs(h, w, y, segs, us, bs)
@@ -216,7 +218,7 @@ def test_cuda_bf16_fused_matches_fp32_reference() -> None:
     ref = _reference_logprobs(rh, w.float(), y, segs, list(rus), list(rbs))
     ref.backward(g)
     assert lp.dtype == torch.float32
-    assert_within(lp.detach().cpu(), ref.detach().cpu(), 0.05, "lp")
+    assert_within(lp.detach().cpu(), ref.detach().cpu(), 0.07, "lp")
     for name, a, t in zip(["h", "u0", "u1", "b0", "b1"], got, ref_in, strict=True):
         assert a is not None and t.grad is not None
         assert_within(a.float().cpu(), t.grad.cpu(), 0.02 * float(t.grad.abs().max()), name)
