@@ -10,7 +10,10 @@ and recorded, the next section still runs):
     engine     TrainerEngine.forward_backward on a Qwen3-8B-shaped megatron model (random
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
-               other attention backends on the 4k batches; a torch.profiler table
+               the loss through the chunked fused linear cross-entropy (fused_ce.py), and a
+               few workloads again through the unfused output layer + vocab-parallel CE
+               ("unfused-ce" rows); other attention backends on the 4k batches; a
+               torch.profiler table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
     hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
@@ -85,6 +88,7 @@ ENGINE_WORKLOADS = [
 HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
 PROFILE_WORKLOAD = "4x1024"
+UNFUSED_CE_WORKLOADS = ["4x1024", "1x8192", "8x1024 8 tenants"]  # A/B of the fused cross-entropy
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
 
@@ -353,11 +357,26 @@ class Bench:
         self.peak_reset()
         engine = self.build_engine(backend, num_slots=8)
         self.results.put("engine", "build_peak_gib", self.peak_gib())
+        # The chunked fused linear cross-entropy (services/trainer/fused_ce.py): the CUDA default,
+        # forced on here for --cpu too; rows labelled "<backend> unfused-ce" re-run the main
+        # backend through the output layer + megatron's vocab-parallel cross-entropy.
+        engine.fused_ce = True
         for slot in range(8):
             engine.init_slot(slot, LoraConfig(rank=LORA_RANK, seed=slot))
         with torch.no_grad():  # non-zero B, so every adapter changes the logits (same speed)
             for adapter in engine.pool.adapters.values():
                 adapter.lora_B.normal_(0.0, 1e-3)
+        fused_ok = True
+        try:  # one probe step: should the fused path fail here, the section measures the unfused one
+            engine.forward_backward(self.datums(self.doc_len(1024), 2, 2), "cross_entropy")
+            for slot in range(8):
+                engine.discard_grads(slot)
+        except Exception:
+            fused_ok = False
+            engine.fused_ce = False
+            self.results.error("engine/fused_ce", traceback.format_exc())
+            self.log("!! fused cross-entropy failed; measuring the unfused path", traceback.format_exc())
+        self.results.put("engine", "fused_ce", fused_ok)
 
         def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
             n = self.doc_len(doc_len)
@@ -381,6 +400,13 @@ class Bench:
                 self.log("skipping", name, "(deadline)")
                 continue
             run(name, doc_len, docs, tenants, backend)
+
+        engine.fused_ce = False
+        for name in UNFUSED_CE_WORKLOADS if fused_ok else []:
+            if self.time_left() < 200:
+                continue
+            run(*by_name[name], label=f"{backend} unfused-ce")
+        engine.fused_ce = fused_ok
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -691,7 +717,7 @@ class Bench:
         alt = [r for r in engine if r not in main]
         if alt:
             parts += [
-                "\n## Other attention backends in the engine\n",
+                "\n## Other attention backends (and the unfused cross-entropy) in the engine\n",
                 markdown_table(
                     [dict(r, ms=r["median_s"] * 1e3, mfu_pct=100 * r["mfu"]) for r in alt],
                     [

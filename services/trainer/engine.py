@@ -29,6 +29,7 @@ import torch
 from libs.contracts.common import AdamParams, LoraConfig
 from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_request
 from services.trainer import slot_state
+from services.trainer.fused_ce import lm_head_logprobs
 from services.trainer.lora import AdapterPool
 from services.trainer.losses import LOSS_FNS
 from services.trainer.model import build_model
@@ -61,6 +62,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
+    fused_cross_entropy: bool | None = None  # None: on for CUDA, off on CPU (see fused_ce.py)
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -68,6 +70,11 @@ def resolve_backend(name: str, device: str) -> str:
     if name != "auto":
         return name
     return "varlen_flash" if device == "cuda" else "sdpa_per_document"
+
+
+def resolve_fused_ce(flag: bool | None, device: str) -> bool:
+    """`None` turns the fused linear cross-entropy on for CUDA and leaves a CPU on the unfused path."""
+    return flag if flag is not None else device == "cuda"
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,11 @@ class TrainerEngine:
         self.pool.routing.stacked = config.device == "cuda"
         self.optimizer = SlotAdamW()
         self._pending: set[int] = set()
+        # One-column targets: log-probabilities from the hidden states by the chunked fused
+        # linear cross-entropy (no [T, vocab] logits), or megatron's output layer + vocab-parallel
+        # cross-entropy. Equal within rounding; the CPU default keeps the unfused path.
+        self.fused_ce = resolve_fused_ce(config.fused_cross_entropy, config.device)
+        self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
 
     # ---- slot lifecycle ----
 
@@ -145,6 +157,8 @@ class TrainerEngine:
                 logits = self.model(
                     batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
                 )[0]  # [T, vocab / tp]
+            elif self.fused_ce:
+                lp_all = self._fused_logprobs(batch)  # [T]
             else:
                 token_loss = self.model(
                     batch.input_ids,
@@ -251,6 +265,17 @@ class TrainerEngine:
         return [o for o in out if o is not None]
 
     # ---- helpers ----
+
+    def _fused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """The model up to the final norm (its output layer skipped), then ``fused_ce``."""
+        self.model.post_process = False  # GPTModel returns the decoder's (normed) hidden states
+        try:
+            hidden = self.model(
+                batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
+            )  # [T, 1, H]
+        finally:
+            self.model.post_process = True
+        return lm_head_logprobs(self.model, self.pool, hidden, batch.labels[0], self.fused_ce_chunk)
 
     @contextlib.contextmanager
     def _routed(self, batch: PackedBatch) -> Any:

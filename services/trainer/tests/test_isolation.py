@@ -69,19 +69,25 @@ def _run(engine: TrainerEngine, overflow: bool) -> Run:
     return Run(grads, states, reports, outputs)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused-ce", "fused-ce"])
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-segment", "stacked"])
-def test_an_overflowing_tenant_leaves_its_neighbours_bit_identical(engine: TrainerEngine, stacked: bool) -> None:
+def test_an_overflowing_tenant_leaves_its_neighbours_bit_identical(
+    engine: TrainerEngine, stacked: bool, fused: bool
+) -> None:
     """With one tenant's loss overflowing, every other slot's logprobs, losses, gradients, step,
     weights and moments are bit-identical to the same batch with that tenant well-behaved; the
-    bad tenant's step is skipped and reported, its weights unchanged."""
+    bad tenant's step is skipped and reported, its weights unchanged. ``fused-ce``: the loss
+    through the chunked fused linear cross-entropy, in pieces of 4 tokens (the GPU default path)."""
     if stacked:  # on CPU the stacked strategy is the grouped matmul (torch._grouped_mm)
         assert grouped_mm_supported(torch.zeros(1))
     engine.pool.routing.stacked = stacked
+    engine.fused_ce, engine.fused_ce_chunk = fused, 4
     try:
         clean = _run(engine, overflow=False)
         dirty = _run(engine, overflow=True)
     finally:
         engine.pool.routing.stacked = False
+        engine.fused_ce, engine.fused_ce_chunk = False, None
 
     assert not all(bool(torch.isfinite(g).all()) for g in dirty.grads[BAD].values()), "BAD did not overflow"
     for slot in (GOOD, THIRD):

@@ -87,18 +87,24 @@ def _datums(engine: TrainerEngine, loss_fn: str, rng: np.random.Generator, slot:
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused-ce", "fused-ce"])
 @pytest.mark.parametrize(("loss_fn", "cfg"), CASES, ids=[c[0] for c in CASES])
 def test_loss_and_grads_match_reference(
-    loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path
+    loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path, fused: bool
 ) -> None:
-    """Per-datum logprobs, losses and every LoRA gradient equal the HF + plain-torch reference."""
+    """Per-datum logprobs, losses and every LoRA gradient (lm_head's too) equal the HF +
+    plain-torch reference, through megatron's output layer and vocab-parallel cross-entropy or
+    (``fused-ce``) the chunked fused linear cross-entropy in pieces of 4 tokens."""
     config = LoraConfig(rank=4, seed=3)
     state = randomize_slot(engine, 1, config, seed=11)
     rng = np.random.default_rng(5)
-    datums = _datums(engine, loss_fn, rng, slot=1)
-
-    # Engine: one packed call.
-    outputs = engine.forward_backward(datums, loss_fn, cfg)
+    engine.fused_ce, engine.fused_ce_chunk = fused, 4
+    try:
+        datums = _datums(engine, loss_fn, rng, slot=1)
+        # Engine: one packed call.
+        outputs = engine.forward_backward(datums, loss_fn, cfg)
+    finally:
+        engine.fused_ce, engine.fused_ce_chunk = False, None
     grads = to_hf_layout(engine.get_slot_grads(1), config, engine)
 
     # Reference: HF model in float64, one datum at a time; bounds from tests.numerics.

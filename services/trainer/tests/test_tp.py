@@ -18,12 +18,15 @@ from tests.numerics import ChainShape, assert_within, gamma
 pytestmark = pytest.mark.numerics  # also run under other thread counts and CPU paths (tests/infra)
 
 
-def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Logprobs, losses, grad norms, updated adapters and Adam moments agree within fp32 rounding."""
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused-ce", "fused-ce"])
+def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    """Logprobs, losses, grad norms, updated adapters and Adam moments agree within fp32 rounding;
+    ``fused-ce``: the TP=2 ranks run the one-column losses through the chunked fused linear
+    cross-entropy (vocab-sharded log-sum-exp and target logit), the TP=1 side stays unfused."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.start_processes(
         run_rank,
-        args=(2, free_port(), str(qwen_dir), str(tmp_path)),
+        args=(2, free_port(), str(qwen_dir), str(tmp_path), fused),
         nprocs=2,
         join=True,
         start_method="spawn",

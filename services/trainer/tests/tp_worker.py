@@ -76,15 +76,18 @@ def scenario(engine: TrainerEngine) -> dict[str, Any]:
     }
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    """Entry point of one spawned TP rank; rank 0 saves the scenario's results."""
+def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, fused: bool = False) -> None:
+    """Entry point of one spawned TP rank; rank 0 saves the scenario's results. ``fused``: the
+    one-column losses through fused_ce.py, in pieces of 5 tokens (cut inside segments)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        engine = TrainerEngine(EngineConfig(model_dir, num_slots=4, max_lora_rank=8))
+        config = EngineConfig(model_dir, num_slots=4, max_lora_rank=8, fused_cross_entropy=fused)
+        engine = TrainerEngine(config)
+        engine.fused_ce_chunk = 5 if fused else None
         assert engine.tp_size == world
         results = scenario(engine)
         results["local_qkv_rows"] = int(
