@@ -505,7 +505,7 @@ def _norms_and_peaks(
     than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
     maxima: an upper bound, equal on every rank) and read back with one host sync."""
     all_grads = [g for present in presents for g in present]
-    squares = torch.stack(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
+    squares = _vector(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sharded_sums, replicated_sums = [], []
     offset = 0
@@ -524,7 +524,7 @@ def _norms_and_peaks(
         t for v, f in zip(views, fused, strict=True) if f for t in (*v.values, *v.exp_avg, *v.exp_avg_sq)
     ]
     if state:
-        peaks_all = torch.stack(torch._foreach_norm(state, float("inf"))).to(torch.float64)
+        peaks_all = _vector(torch._foreach_norm(state, float("inf"))).to(torch.float64)
         peaks, offset = [], 0
         for v, f in zip(views, fused, strict=True):
             n = len(v.values)
@@ -544,6 +544,29 @@ def _norms_and_peaks(
     rest = values[n:]
     out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]
     return norms, out_peaks
+
+
+def _vector(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(parts)`` for the 0-d results of one ``_foreach_norm``, without the copy
+    where they are the consecutive elements of one buffer (what the CUDA kernel returns):
+    stacking thousands of scalars costs a few host microseconds each, the buffer nothing."""
+    base = parts[0]._base if parts and parts[0].dim() == 0 else None
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.numel() == len(parts)
+        and base.is_contiguous()
+        and all(
+            p._base is base and p.dim() == 0 and p.data_ptr() == base.data_ptr() + i * base.element_size()
+            for i, p in (
+                (0, parts[0]),
+                (len(parts) // 2, parts[len(parts) // 2]),
+                (len(parts) - 1, parts[-1]),
+            )
+        )
+    ):
+        return base
+    return torch.stack(parts)
 
 
 def _zero(grads: list[torch.Tensor]) -> None:

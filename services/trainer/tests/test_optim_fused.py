@@ -297,3 +297,20 @@ def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slo
             float(opt.exp_avg[t.name][5].abs().max()) == 0
             and float(opt.exp_avg_sq[t.name][5].abs().max()) == 0
         )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_results_are_read_as_one_vector_equal_to_stacking_them(device: str) -> None:
+    """``_vector`` of ``_foreach_norm``'s results, of the elements of one buffer and of a strided
+    view's elements each equals ``torch.stack`` of the same scalars (the buffer itself is reused
+    only where the scalars are its consecutive elements)."""
+    from services.trainer.optim import _vector
+
+    gen = torch.Generator(device=device).manual_seed(9)
+    tensors = [torch.randn(n, generator=gen, device=device) for n in (3, 70, 1, 513)]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    assert torch.equal(_vector(norms), torch.stack(norms))
+    buffer = torch.arange(7.0, device=device)
+    assert _vector(list(buffer.unbind(0))) is buffer
+    strided = list(torch.arange(12.0, device=device)[::3].unbind(0))
+    assert torch.equal(_vector(strided), torch.stack(strided))
