@@ -19,7 +19,8 @@ step counter or gradients.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,24 @@ class TrainerEngine:
         self.pool.routing.stacked = config.device == "cuda"
         self.optimizer = SlotAdamW()
         self._pending: set[int] = set()
+        # slot -> a token that changes whenever anything of the slot's state may change (weights,
+        # moments, step, gradients, pending): unique across engines, so a snapshot can tell that
+        # a slot still holds exactly what an earlier snapshot recorded (``state_versions``)
+        self._instance = uuid.uuid4().hex
+        self._changes = 0
+        self._versions: dict[int, str] = {}
+
+    @property
+    def state_versions(self) -> dict[int, str]:
+        """Each slot's state token: equal tokens mean the slot's state is unchanged in between
+        (a property: not broadcast to the other TP ranks, which hold the same slots)."""
+        return dict(self._versions)
+
+    def _touch(self, slots: Iterable[int]) -> None:
+        """Mark ``slots`` as changed (called before a change, so that a failure midway counts too)."""
+        for slot in slots:
+            self._changes += 1
+            self._versions[slot] = f"{self._instance}:{self._changes}"
 
     # ---- slot lifecycle ----
 
@@ -106,12 +125,14 @@ class TrainerEngine:
         """Give ``slot`` a fresh adapter (seeded A, zero B) and fresh optimizer state."""
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
             raise ValueError("a slot must train at least one of attn, mlp, unembed")
+        self._touch([slot])
         self.pool.init_slot(slot, lora)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
 
     def release_slot(self, slot: int) -> None:
         """Forget everything about ``slot`` (weights, moments, step counter, gradients)."""
+        self._touch([slot])
         self.pool.clear_slot(slot)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
@@ -133,6 +154,8 @@ class TrainerEngine:
         self._validate(datums, loss_fn, loss_config)
         if not datums:
             return []
+        if not forward_only:
+            self._touch({d.slot for d in datums})
         cfg = resolve_config(loss_fn, loss_config)
         reads = set(LOSS_SPECS[loss_fn].inputs) - {"target_tokens"}  # ignored inputs never reach the loss
         top_k = any(np.ndim(d.loss_inputs["target_tokens"]) == 2 for d in datums)
@@ -187,6 +210,7 @@ class TrainerEngine:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
         for slot in sorted(params):
             self._require_slot(slot)
+        self._touch(params)
         reports = self.optimizer.step_many(
             [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
         )
@@ -195,6 +219,7 @@ class TrainerEngine:
 
     def discard_grads(self, slot: int) -> None:
         self._require_slot(slot)
+        self._touch([slot])
         zero_grads(self.pool.slot_tensors(slot))
         self._pending.discard(slot)
 
@@ -216,6 +241,7 @@ class TrainerEngine:
     def set_slot_grads(self, slot: int, grads: dict[str, torch.Tensor], pending: bool) -> None:
         """Put back gradients captured by ``get_slot_grads`` (and whether they count as pending)."""
         self._require_slot(slot)
+        self._touch([slot])
         slot_state.set_slot_grads(self.pool, slot, grads)
         if pending:
             self._pending.add(slot)
@@ -225,6 +251,7 @@ class TrainerEngine:
         return set(self._pending)
 
     def set_slot_state(self, slot: int, state: SlotState, with_optimizer: bool) -> None:
+        self._touch([slot])
         slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)
 
