@@ -77,7 +77,8 @@ class Captured:
     slots: dict[int, paging.PagedState]  # the slots copied to host memory
     links: dict[str, Path]  # paged model id -> a hard link to its file as captured, in `hold`
     hold: Path  # removed by ``write``
-    reused: dict[int, Path] = field(default_factory=dict)  # unchanged slot -> link to its earlier file, in `hold`
+    # an unchanged slot -> a link to its file in an earlier snapshot, in `hold`
+    reused: dict[int, Path] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
