@@ -106,6 +106,7 @@ class TrainerEngine:
         self._instance = uuid.uuid4().hex
         self._changes = 0
         self._versions: dict[int, str] = {}
+        self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
 
     @property
     def state_versions(self) -> dict[int, str]:
@@ -229,14 +230,18 @@ class TrainerEngine:
 
     # ---- state ----
 
-    def get_slot_state(self, slot: int, with_optimizer: bool = True) -> SlotState:
+    def get_slot_state(self, slot: int, with_optimizer: bool = True, for_snapshot: bool = False) -> SlotState:
+        """``for_snapshot``: the tensors are copies in ``snapshot_buffers`` (reused by the next
+        snapshot; pinned on CUDA), not tensors of their own."""
         self._require_slot(slot)
-        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer)
+        host = self.snapshot_buffers if for_snapshot else None
+        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer, host)
 
-    def get_slot_grads(self, slot: int) -> dict[str, torch.Tensor]:
-        """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``."""
+    def get_slot_grads(self, slot: int, for_snapshot: bool = False) -> dict[str, torch.Tensor]:
+        """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``
+        (``for_snapshot``: as in ``get_slot_state``)."""
         self._require_slot(slot)
-        return slot_state.get_slot_grads(self.pool, slot)
+        return slot_state.get_slot_grads(self.pool, slot, self.snapshot_buffers if for_snapshot else None)
 
     def set_slot_grads(self, slot: int, grads: dict[str, torch.Tensor], pending: bool) -> None:
         """Put back gradients captured by ``get_slot_grads`` (and whether they count as pending)."""

@@ -109,8 +109,9 @@ def capture(
     reused: dict[int, Path] = {}
     for slot, source in unchanged.items():
         reused[slot] = _hold_link(source, hold / f"slot-{slot}.safetensors")
+    engine.snapshot_buffers.retain(set(slot_models))
     slots = {
-        slot: paging.capture(engine, slot, model_id)
+        slot: paging.capture(engine, slot, model_id, for_snapshot=True)
         for slot, model_id in sorted(slot_models.items())
         if slot not in reused
     }

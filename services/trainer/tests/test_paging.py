@@ -215,7 +215,8 @@ def test_a_snapshot_copies_only_the_slots_changed_since_the_last_and_restores_al
 ) -> None:
     """Three resident slots snapshotted, then only slot 1 trained (a forward_backward and a step)
     and slot 2 given a forward_backward whose gradients stay pending: the next capture copies
-    slots 1 and 2 and hard-links slot 0's file from the first snapshot. That snapshot restored
+    slots 1 and 2 (into the host buffers of the first capture) and hard-links slot 0's file from
+    the first snapshot. That snapshot restored
     into a fresh trainer gives back every slot's state exactly (pending gradients included); a
     snapshot of the fresh trainer copies every slot again (its state tokens are its own)."""
     data = tmp_path / "data"
@@ -226,6 +227,7 @@ def test_a_snapshot_copies_only_the_slots_changed_since_the_last_and_restores_al
         _fb(engine, slot, slot)
         engine.optim_step({slot: HP})
     first = snapshots.take(engine, models, store, data, "g", work_seq=1)
+    buffers = engine.snapshot_buffers.nbytes
     _fb(engine, 1, 30)
     engine.optim_step({1: HP})
     _fb(engine, 2, 31)
@@ -233,6 +235,7 @@ def test_a_snapshot_copies_only_the_slots_changed_since_the_last_and_restores_al
 
     captured = snapshots.capture(engine, models, store, data, "g", work_seq=2)
     assert set(captured.slots) == {1, 2} and set(captured.reused) == {0}
+    assert engine.snapshot_buffers.nbytes == buffers  # the first snapshot's host buffers, reused
     second = snapshots.write(captured, data, "g")
     snapshots.finish(captured, second, store, data, "g")
     assert os.path.samefile(first / "slot-0.safetensors", second / "slot-0.safetensors")
