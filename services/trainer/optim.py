@@ -38,6 +38,7 @@ count are all-reduced before they are tested.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -546,7 +547,7 @@ def _norms_and_peaks(
     return norms, out_peaks
 
 
-def _vector(parts: list[torch.Tensor]) -> torch.Tensor:
+def _vector(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(parts)`` for the 0-d results of one ``_foreach_norm``, without the copy
     where they are the consecutive elements of one buffer (what the CUDA kernel returns):
     stacking thousands of scalars costs a few host microseconds each, the buffer nothing."""

@@ -63,8 +63,14 @@ class HostBuffers:
         key = (slot, table, name)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            pin = value.device.type == "cuda"
-            buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+            buffer = None
+            if value.device.type == "cuda":
+                try:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+                except RuntimeError:  # no pinned memory left: pageable (slower copies, same bytes)
+                    buffer = None
+            if buffer is None:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu")
             self._buffers[key] = buffer
         buffer.copy_(value, non_blocking=value.device.type == "cuda")
         self._pending = self._pending or value.device.type == "cuda"
