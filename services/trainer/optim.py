@@ -567,7 +567,7 @@ def _vector(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         )
     ):
         return base
-    return torch.stack(parts)
+    return torch.stack(list(parts))
 
 
 def _zero(grads: list[torch.Tensor]) -> None:
