@@ -18,7 +18,13 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
 Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
 ``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
 the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
-hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. The finiteness
+hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. Slots that train
+whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: one tensor
+``param[a:b]`` per parameter and run ``a..b-1`` of consecutive such slots in the group, instead of
+one per parameter and slot (``_Layout``; the kernel is elementwise, so each element gets the same
+bits; on the CPU only where every slot row is a multiple of 64 floats, see ``_CPU_ROW_ALIGN``).
+The norms stay per slot and tensor (one ``_foreach_norm`` over all of them), so a slot's norm,
+clip coefficient and result never depend on which other slots share the call. The finiteness
 check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
 ``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
 the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
