@@ -16,6 +16,7 @@ and recorded, the next section still runs):
                torch.profiler table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
+               (wall time, host time until the call returns, aten ops and kernels of one call)
     hf         the same single-tenant batches through transformers + PEFT (SDPA attention,
                rank 32 on q/k/v/o/gate/up/down and lm_head), same GPU; a profiler table
     liger      the same through transformers + PEFT with Liger kernels (RMSNorm, RoPE, SwiGLU,
@@ -480,6 +481,31 @@ class Bench:
         self.log("sync audit", label, json.dumps(summary, indent=1))
         self.results.put("sync_audit", label, summary)
 
+    def host_cost(self, fn: Callable[[], Any], iters: int = 3) -> tuple[float, int, int]:
+        """(median seconds until ``fn`` returns, with the device idle before each call; aten ops
+        of one call; device kernels and copies of one call, 0 without CUDA)."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        host = []
+        for _ in range(iters):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        self.sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=activities) as prof:
+            fn()
+            self.sync()
+        ops = kernels = 0
+        for event in prof.events():
+            if getattr(event, "device_type", None) == DeviceType.CUDA:
+                kernels += 1
+            elif event.name.startswith("aten::"):
+                ops += 1
+        return sorted(host)[len(host) // 2], ops, kernels
+
     def profile(self, fn: Callable[[], Any], label: str) -> None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -558,7 +584,15 @@ class Bench:
         self.sync()
         for count in (1, 8, slots):
             times, _ = time_calls(functools.partial(step, count), 1, 3 if count > 8 else 5, self.sync)
-            row = {"pool_slots": slots, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
+            host, ops, kernels = self.host_cost(functools.partial(step, count))
+            row = {
+                "pool_slots": slots,
+                "stepped_slots": count,
+                "ms": summarize(times)["median_s"] * 1e3,
+                "host_ms": host * 1e3,  # until step_many returns (it syncs once, for the norms)
+                "ops": ops,  # aten ops dispatched by one call
+                "kernels": kernels,  # device kernels and copies launched by one call
+            }
             self.log("optim", row)
             self.row("optimizer", row)
         self.profile(functools.partial(step, 1), "optimizer")  # one slot's step, warm
@@ -750,7 +784,14 @@ class Bench:
                 "\n## optim_step\n",
                 markdown_table(
                     rows["optimizer"],
-                    [("pool slots", "pool_slots"), ("slots stepped", "stepped_slots"), ("ms", "ms")],
+                    [
+                        ("pool slots", "pool_slots"),
+                        ("slots stepped", "stepped_slots"),
+                        ("ms", "ms"),
+                        ("host ms", "host_ms"),
+                        ("aten ops", "ops"),
+                        ("kernels", "kernels"),
+                    ],
                 ),
             ]
         text = "\n".join(parts) + "\n"

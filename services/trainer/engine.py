@@ -19,7 +19,8 @@ step counter or gradients.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,25 @@ class TrainerEngine:
         # cross-entropy. Equal within rounding; the CPU default keeps the unfused path.
         self.fused_ce = resolve_fused_ce(config.fused_cross_entropy, config.device)
         self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
+        # slot -> a token that changes whenever anything of the slot's state may change (weights,
+        # moments, step, gradients, pending): unique across engines, so a snapshot can tell that
+        # a slot still holds exactly what an earlier snapshot recorded (``state_versions``)
+        self._instance = uuid.uuid4().hex
+        self._changes = 0
+        self._versions: dict[int, str] = {}
+        self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
+
+    @property
+    def state_versions(self) -> dict[int, str]:
+        """Each slot's state token: equal tokens mean the slot's state is unchanged in between
+        (a property: not broadcast to the other TP ranks, which hold the same slots)."""
+        return dict(self._versions)
+
+    def _touch(self, slots: Iterable[int]) -> None:
+        """Mark ``slots`` as changed (called before a change, so that a failure midway counts too)."""
+        for slot in slots:
+            self._changes += 1
+            self._versions[slot] = f"{self._instance}:{self._changes}"
 
     # ---- slot lifecycle ----
 
@@ -118,12 +138,14 @@ class TrainerEngine:
         """Give ``slot`` a fresh adapter (seeded A, zero B) and fresh optimizer state."""
         if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
             raise ValueError("a slot must train at least one of attn, mlp, unembed")
+        self._touch([slot])
         self.pool.init_slot(slot, lora)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
 
     def release_slot(self, slot: int) -> None:
         """Forget everything about ``slot`` (weights, moments, step counter, gradients)."""
+        self._touch([slot])
         self.pool.clear_slot(slot)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
@@ -145,6 +167,8 @@ class TrainerEngine:
         self._validate(datums, loss_fn, loss_config)
         if not datums:
             return []
+        if not forward_only:
+            self._touch({d.slot for d in datums})
         cfg = resolve_config(loss_fn, loss_config)
         reads = set(LOSS_SPECS[loss_fn].inputs) - {"target_tokens"}  # ignored inputs never reach the loss
         top_k = any(np.ndim(d.loss_inputs["target_tokens"]) == 2 for d in datums)
@@ -201,6 +225,7 @@ class TrainerEngine:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
         for slot in sorted(params):
             self._require_slot(slot)
+        self._touch(params)
         reports = self.optimizer.step_many(
             [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
         )
@@ -209,6 +234,7 @@ class TrainerEngine:
 
     def discard_grads(self, slot: int) -> None:
         self._require_slot(slot)
+        self._touch([slot])
         zero_grads(self.pool.slot_tensors(slot))
         self._pending.discard(slot)
 
@@ -218,18 +244,23 @@ class TrainerEngine:
 
     # ---- state ----
 
-    def get_slot_state(self, slot: int, with_optimizer: bool = True) -> SlotState:
+    def get_slot_state(self, slot: int, with_optimizer: bool = True, for_snapshot: bool = False) -> SlotState:
+        """``for_snapshot``: the tensors are copies in ``snapshot_buffers`` (reused by the next
+        snapshot; pinned on CUDA), not tensors of their own."""
         self._require_slot(slot)
-        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer)
+        host = self.snapshot_buffers if for_snapshot else None
+        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer, host)
 
-    def get_slot_grads(self, slot: int) -> dict[str, torch.Tensor]:
-        """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``."""
+    def get_slot_grads(self, slot: int, for_snapshot: bool = False) -> dict[str, torch.Tensor]:
+        """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``
+        (``for_snapshot``: as in ``get_slot_state``)."""
         self._require_slot(slot)
-        return slot_state.get_slot_grads(self.pool, slot)
+        return slot_state.get_slot_grads(self.pool, slot, self.snapshot_buffers if for_snapshot else None)
 
     def set_slot_grads(self, slot: int, grads: dict[str, torch.Tensor], pending: bool) -> None:
         """Put back gradients captured by ``get_slot_grads`` (and whether they count as pending)."""
         self._require_slot(slot)
+        self._touch([slot])
         slot_state.set_slot_grads(self.pool, slot, grads)
         if pending:
             self._pending.add(slot)
@@ -239,6 +270,7 @@ class TrainerEngine:
         return set(self._pending)
 
     def set_slot_state(self, slot: int, state: SlotState, with_optimizer: bool) -> None:
+        self._touch([slot])
         slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)
 

@@ -419,6 +419,8 @@ class AdapterPool(nn.Module):
             {_key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, device) for t in self.targets}
         )
         self._handles: list[Any] = []
+        # slot -> (the config its tensors were listed for, the list): see slot_tensors
+        self._slot_tensors: dict[int, tuple[LoraConfig, list[SlotTensor]]] = {}
 
     @property
     def configs(self) -> dict[int, LoraConfig]:
@@ -473,8 +475,17 @@ class AdapterPool(nn.Module):
         """The adapter tensors ``slot`` trains (its rank, its enabled modules), canonical order.
 
         ``lora_A`` of a fused target is ``[parts, r, in]`` (one ``A`` per HF projection, in the
-        order of ``TargetSpec.parts``), of any other ``[r, in]``; ``lora_B`` is ``[out, r]``."""
+        order of ``TargetSpec.parts``), of any other ``[r, in]``; ``lora_B`` is ``[out, r]``.
+
+        The list is built once per slot and configuration and the same list object is returned
+        while ``configs[slot]`` is the same object (a ``SlotTensor`` holds its parameter and an
+        index, never a view, so it stays valid while the pool's parameters do): callers must not
+        change it. Listing a slot's few hundred tensors costs more host time than a GPU step of
+        them (``SlotAdamW`` also keys its cached views on the list's identity)."""
         config = self.routing.configs[slot]
+        cached = self._slot_tensors.get(slot)
+        if cached is not None and cached[0] is config:
+            return cached[1]
         tensors: list[SlotTensor] = []
         for target in self.targets:
             if not config.trains(target.group):
@@ -490,6 +501,7 @@ class AdapterPool(nn.Module):
                     f"{target.path}.lora_B", module.lora_B, (slot, slice(None), slice(0, r)), target.b_kind
                 )
             )
+        self._slot_tensors[slot] = (config, tensors)
         return tensors
 
     def _check_slot(self, slot: int) -> None:

@@ -18,7 +18,13 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
 Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
 ``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
 the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
-hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. The finiteness
+hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. Slots that train
+whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: one tensor
+``param[a:b]`` per parameter and run ``a..b-1`` of consecutive such slots in the group, instead of
+one per parameter and slot (``_Layout``; the kernel is elementwise, so each element gets the same
+bits; on the CPU only where every slot row is a multiple of 64 floats, see ``_CPU_ROW_ALIGN``).
+The norms stay per slot and tensor (one ``_foreach_norm`` over all of them), so a slot's norm,
+clip coefficient and result never depend on which other slots share the call. The finiteness
 check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
 ``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
 the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
@@ -38,7 +44,8 @@ count are all-reduced before they are tested.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +76,7 @@ class _SlotViews:
     objects, which ``SlotAdamW._views`` checks on every step.
     """
 
+    tensors: list[SlotTensor]  # the list the views were made from (the pool's, reused while valid)
     key: list[tuple[str, tuple[Any, ...]]]  # (name, index) of each of the slot's tensors
     grad_sources: list[torch.Tensor | None]  # each parameter's .grad when the views were made
     values: list[torch.Tensor]
@@ -79,6 +87,28 @@ class _SlotViews:
     dense: bool  # every value, gradient and moment view is contiguous (what the fused kernel takes)
     scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
     scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
+    layout: _Layout | None = None  # set when each tensor is the whole row ``param[slot]``
+    epoch: int = 0  # the layout's epoch when the views were made
+
+
+@dataclass
+class _Layout:
+    """Parameters of which some slots each train whole rows: slot ``s``'s tensors are exactly
+    ``param[s]`` of every parameter here (its rank is the pool's, one tensor per parameter).
+
+    For such slots the fused update runs over the pooled rows ``param[a:b]`` of a run of
+    consecutive slots that share their hyper-parameters and step count: one tensor per parameter
+    and run instead of one per parameter and slot (the kernel is elementwise, so every element
+    is computed exactly as in a per-slot call). ``epoch`` changes whenever a parameter's
+    ``.grad`` is a different tensor than before; views made at another epoch are stale.
+    """
+
+    params: tuple[torch.nn.Parameter, ...]
+    names: tuple[str, ...]
+    grads: tuple[torch.Tensor | None, ...] = ()
+    epoch: int = -1
+    poolable: bool = False  # every parameter has a gradient, and all of them and their moments are contiguous
+    runs: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
 
 
 class SlotAdamW:
@@ -95,6 +125,8 @@ class SlotAdamW:
         self._cached: dict[int, _SlotViews] = {}
         self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
         self._bounds: dict[int, tuple[float, float, float]] = {}  # slot -> upper bounds of |p|, |m|, v
+        self._layouts: dict[tuple[int, ...], _Layout] = {}  # by the ids of its parameters (held)
+        self._checked: set[int] = set()  # ids of the layouts whose grads this call has checked
 
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
@@ -110,14 +142,72 @@ class SlotAdamW:
                 full[slot].zero_()
         self.steps.pop(slot, None)
 
+    def _refresh(self, layout: _Layout) -> int:
+        """The layout's epoch, after comparing its parameters' ``.grad`` with the last seen
+        (once per ``step_many`` call, however many of its slots are stepped)."""
+        if id(layout) in self._checked:
+            return layout.epoch
+        self._checked.add(id(layout))
+        grads = tuple(p.grad for p in layout.params)
+        if len(grads) != len(layout.grads) or any(
+            a is not b for a, b in zip(grads, layout.grads, strict=True)
+        ):
+            layout.grads, layout.epoch = grads, layout.epoch + 1
+            layout.runs.clear()
+            layout.poolable = all(
+                g is not None and g.is_contiguous() and p.data.is_contiguous()
+                for p, g in zip(layout.params, grads, strict=True)
+            ) and all(
+                self.exp_avg[n].is_contiguous() and self.exp_avg_sq[n].is_contiguous() for n in layout.names
+            )
+            if any(
+                p.device.type != "cuda" and (p.numel() // p.shape[0]) % _CPU_ROW_ALIGN for p in layout.params
+            ):
+                layout.poolable = False  # see _CPU_ROW_ALIGN
+        return layout.epoch
+
+    def _layout(self, slot: int, tensors: list[SlotTensor]) -> _Layout | None:
+        """The slot's ``_Layout`` when each of its tensors is the whole row ``param[slot]`` of a
+        parameter of its own (moments already allocated), else None."""
+        params = tuple(t.param for t in tensors)
+        if not tensors or len({id(p) for p in params}) != len(params):
+            return None
+        for t in tensors:
+            if not (
+                t.index and t.index[0] == slot and t.value().numel() * t.param.shape[0] == t.param.numel()
+            ):
+                return None
+        key = tuple(id(p) for p in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout(params, tuple(t.name for t in tensors))
+        return layout
+
+    def _run_views(self, layout: _Layout, start: int, stop: int) -> tuple[list[torch.Tensor], ...]:
+        """(values, grads, exp_avg, exp_avg_sq) of slots ``[start, stop)``: one view per parameter."""
+        views = layout.runs.get((start, stop))
+        if views is None:
+            views = (
+                [p.data[start:stop] for p in layout.params],
+                [g[start:stop] for g in layout.grads if g is not None],
+                [self.exp_avg[n][start:stop] for n in layout.names],
+                [self.exp_avg_sq[n][start:stop] for n in layout.names],
+            )
+            layout.runs[(start, stop)] = views
+        return views
+
     def _views(self, slot: int, tensors: list[SlotTensor]) -> _SlotViews:
         cached = self._cached.get(slot)
-        if (
-            cached is not None
-            and cached.key == [(t.name, t.index) for t in tensors]
-            and all(t.param.grad is g for t, g in zip(tensors, cached.grad_sources, strict=True))
+        if cached is not None and (
+            cached.tensors is tensors or cached.key == [(t.name, t.index) for t in tensors]
         ):
-            return cached
+            if cached.layout is not None:
+                if self._refresh(cached.layout) == cached.epoch:
+                    cached.tensors = tensors
+                    return cached
+            elif all(t.param.grad is g for t, g in zip(tensors, cached.grad_sources, strict=True)):
+                cached.tensors = tensors
+                return cached
         moments = [self.moments(t) for t in tensors]
         grads = [t.grad() for t in tensors]
         present = [t for t, g in zip(tensors, grads, strict=True) if g is not None]
@@ -129,7 +219,9 @@ class SlotAdamW:
         )
         values = [t.value() for t in tensors]
         present_grads = [g for g in grads if g is not None]
+        layout = self._layout(slot, tensors)
         views = _SlotViews(
+            tensors=tensors,
             key=[(t.name, t.index) for t in tensors],
             grad_sources=[t.param.grad for t in tensors],
             values=values,
@@ -141,6 +233,8 @@ class SlotAdamW:
                 t.is_contiguous()
                 for t in [*values, *present_grads, *(m for m, _ in moments), *(v for _, v in moments)]
             ),
+            layout=layout,
+            epoch=self._refresh(layout) if layout is not None else 0,
         )
         self._cached[slot] = views
         return views
@@ -185,6 +279,7 @@ class SlotAdamW:
         fused update."""
         if not requests:
             return {}
+        self._checked.clear()
         views = [self._views(slot, tensors) for slot, tensors, _ in requests]
         presents = [[g for g in v.grads if g is not None] for v in views]
         device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
@@ -226,14 +321,28 @@ class SlotAdamW:
             grads: list[torch.Tensor] = []
             exp_avg: list[torch.Tensor] = []
             exp_avg_sq: list[torch.Tensor] = []
+            to_zero: list[torch.Tensor] = []
+            pooled: dict[int, tuple[_Layout, list[int]]] = {}
             for i in members:
                 v = views[i]
+                if v.layout is not None and v.layout.poolable:
+                    pooled.setdefault(id(v.layout), (v.layout, []))[1].append(requests[i][0])
+                    continue
                 params += v.values
                 grads += [
                     torch.zeros_like(p) if g is None else g for p, g in zip(v.values, v.grads, strict=True)
                 ]
                 exp_avg += v.exp_avg
                 exp_avg_sq += v.exp_avg_sq
+                to_zero += presents[i]
+            for layout, slots in pooled.values():
+                for start, stop in _runs(slots):
+                    run = self._run_views(layout, start, stop)
+                    params += run[0]
+                    grads += run[1]
+                    exp_avg += run[2]
+                    exp_avg_sq += run[3]
+                    to_zero += run[1]
             counter = torch.full((), float(step), dtype=torch.float32, device=device)
             with torch.no_grad():
                 torch._fused_adamw_(
@@ -251,7 +360,7 @@ class SlotAdamW:
                     amsgrad=False,
                     maximize=False,
                 )
-        _zero([g for i in (m for ms in groups.values() for m in ms) for g in presents[i]])
+            _zero(to_zero)
         return reports
 
     def _checked_step(
@@ -340,6 +449,25 @@ class SlotAdamW:
 
 _F32_MAX = torch.finfo(torch.float32).max
 
+# The CUDA fused kernel computes every element with the same code, wherever it sits in its tensor,
+# so a slot's rows give the same bits inside a pooled tensor as alone. The CPU kernel takes a
+# vectorised loop and a scalar loop for the tail, whose roundings of exp_avg_sq differ (seen on
+# rows of 148 floats); a slot's rows are pooled there only when each row is a whole number of
+# vectors of any width (64 floats covers AVX-512), so every element takes the vectorised loop
+# both ways.
+_CPU_ROW_ALIGN = 64
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each maximal run of consecutive numbers in ``slots`` (distinct)."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(slots):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out
+
 
 def _next_bounds(
     hp: AdamParams, step: int, grad_norm: float, p_max: float, m_max: float, v_max: float
@@ -384,7 +512,7 @@ def _norms_and_peaks(
     than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
     maxima: an upper bound, equal on every rank) and read back with one host sync."""
     all_grads = [g for present in presents for g in present]
-    squares = torch.stack(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
+    squares = _vector(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sharded_sums, replicated_sums = [], []
     offset = 0
@@ -403,7 +531,7 @@ def _norms_and_peaks(
         t for v, f in zip(views, fused, strict=True) if f for t in (*v.values, *v.exp_avg, *v.exp_avg_sq)
     ]
     if state:
-        peaks_all = torch.stack(torch._foreach_norm(state, float("inf"))).to(torch.float64)
+        peaks_all = _vector(torch._foreach_norm(state, float("inf"))).to(torch.float64)
         peaks, offset = [], 0
         for v, f in zip(views, fused, strict=True):
             n = len(v.values)
@@ -423,6 +551,29 @@ def _norms_and_peaks(
     rest = values[n:]
     out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]
     return norms, out_peaks
+
+
+def _vector(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(parts)`` for the 0-d results of one ``_foreach_norm``, without the copy
+    where they are the consecutive elements of one buffer (what the CUDA kernel returns):
+    stacking thousands of scalars costs a few host microseconds each, the buffer nothing."""
+    base = parts[0]._base if parts and parts[0].dim() == 0 else None
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.numel() == len(parts)
+        and base.is_contiguous()
+        and all(
+            p._base is base and p.dim() == 0 and p.data_ptr() == base.data_ptr() + i * base.element_size()
+            for i, p in (
+                (0, parts[0]),
+                (len(parts) // 2, parts[len(parts) // 2]),
+                (len(parts) - 1, parts[-1]),
+            )
+        )
+    ):
+        return base
+    return torch.stack(list(parts))
 
 
 def _zero(grads: list[torch.Tensor]) -> None:

@@ -52,13 +52,14 @@ class PagedState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def capture(engine: TrainerEngine, slot: int, model_id: str) -> PagedState:
-    """The slot's complete training state (CPU tensors, copies)."""
-    state = engine.get_slot_state(slot)
+def capture(engine: TrainerEngine, slot: int, model_id: str, for_snapshot: bool = False) -> PagedState:
+    """The slot's complete training state (CPU tensors, copies). ``for_snapshot``: the copies are
+    in the engine's ``snapshot_buffers``, valid until the next snapshot's capture of the slot."""
+    state = engine.get_slot_state(slot, for_snapshot=for_snapshot)
     tensors = {f"adapter.{k}": v for k, v in state.adapter.items()}
     tensors |= {f"exp_avg.{k}": v for k, v in state.exp_avg.items()}
     tensors |= {f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()}
-    tensors |= {f"grad.{k}": v for k, v in engine.get_slot_grads(slot).items()}
+    tensors |= {f"grad.{k}": v for k, v in engine.get_slot_grads(slot, for_snapshot=for_snapshot).items()}
     meta = PagedMeta(model_id, state.config, state.step, engine.has_pending_grads(slot))
     return PagedState(meta, tensors)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from libs.contracts.common import LoraConfig
-from services.trainer.convert import shard, unshard
+from services.trainer.convert import ShardKind, shard, unshard
 from services.trainer.lora import AdapterPool
 from services.trainer.optim import SlotAdamW
 from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
@@ -39,11 +39,68 @@ def _host_copy(value: torch.Tensor) -> torch.Tensor:
     return value.clone() if value.device.type == "cpu" else value.cpu()
 
 
+def _full(local: torch.Tensor, kind: ShardKind) -> torch.Tensor:
+    """The full-layout tensor (gathered over TP); ``local`` itself, not a copy, without TP."""
+    parts = tp_all_gather(local)
+    return parts[0] if len(parts) == 1 else unshard(parts, kind)
+
+
+class HostBuffers:
+    """Host tensors that a snapshot's copies of the slots' state are made into, kept and reused
+    by the next snapshot (pinned when the state is on CUDA: device-to-host copies into pinned
+    memory run at the link's speed, into pageable memory several times slower).
+
+    A snapshot's tensors are these buffers: they stay valid until the next ``copy`` of the same
+    slot and tensor, so a caller must be done with one snapshot's tensors (written them) before it
+    captures the next. ``wait`` makes the copies issued so far complete (they are asynchronous on
+    CUDA)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str, str], torch.Tensor] = {}
+        self._pending = False
+
+    def copy(self, slot: int, table: str, name: str, value: torch.Tensor) -> torch.Tensor:
+        key = (slot, table, name)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = None
+            if value.device.type == "cuda":
+                try:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+                except RuntimeError:  # no pinned memory left: pageable (slower copies, same bytes)
+                    buffer = None
+            if buffer is None:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+            self._buffers[key] = buffer
+        buffer.copy_(value, non_blocking=value.device.type == "cuda")
+        self._pending = self._pending or value.device.type == "cuda"
+        return buffer
+
+    def wait(self) -> None:
+        if self._pending:
+            torch.cuda.current_stream().synchronize()
+            self._pending = False
+
+    def retain(self, slots: set[int]) -> None:
+        """Drop the buffers of slots outside ``slots`` (released since)."""
+        for key in [k for k in self._buffers if k[0] not in slots]:
+            del self._buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 def get_slot_state(
-    pool: AdapterPool, optimizer: SlotAdamW, slot: int, with_optimizer: bool = True
+    pool: AdapterPool,
+    optimizer: SlotAdamW,
+    slot: int,
+    with_optimizer: bool = True,
+    host: HostBuffers | None = None,
 ) -> SlotState:
     """Gather ``slot``'s state over TP (a collective: every rank must call it). Without
-    ``with_optimizer`` the moments are left out (empty; an export needs the adapter alone)."""
+    ``with_optimizer`` the moments are left out (empty; an export needs the adapter alone).
+    With ``host`` the tensors are copies in its buffers (complete on return), else new tensors."""
     if slot not in pool.configs:
         raise KeyError(f"slot {slot} is not initialised")
     adapter: dict[str, torch.Tensor] = {}
@@ -55,7 +112,14 @@ def get_slot_state(
             m, v = optimizer.moments(tensor)
             parts += [(exp_avg, m), (exp_avg_sq, v)]
         for table, local in parts:
-            table[tensor.name] = _host_copy(unshard(tp_all_gather(local.detach()), tensor.kind))
+            if host is None:
+                table[tensor.name] = _host_copy(unshard(tp_all_gather(local.detach()), tensor.kind))
+            else:
+                full = _full(local.detach(), tensor.kind)
+                label = "adapter" if table is adapter else "exp_avg" if table is exp_avg else "exp_avg_sq"
+                table[tensor.name] = host.copy(slot, label, tensor.name, full)
+    if host is not None:
+        host.wait()
     return SlotState(pool.configs[slot], optimizer.steps.get(slot, 0), adapter, exp_avg, exp_avg_sq)
 
 
@@ -91,14 +155,19 @@ def set_slot_state(
         optimizer.steps[slot] = state.step
 
 
-def get_slot_grads(pool: AdapterPool, slot: int) -> dict[str, torch.Tensor]:
+def get_slot_grads(pool: AdapterPool, slot: int, host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
     """The slot's accumulated gradients in the same full layout as ``SlotState.adapter``
-    (zeros where nothing accumulated yet); a collective like ``get_slot_state``."""
+    (zeros where nothing accumulated yet); a collective like ``get_slot_state``. ``host``: as there."""
     grads: dict[str, torch.Tensor] = {}
     for tensor in pool.slot_tensors(slot):
         g = tensor.grad()
         local = torch.zeros_like(tensor.value()) if g is None else g
-        grads[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
+        if host is None:
+            grads[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
+        else:
+            grads[tensor.name] = host.copy(slot, "grad", tensor.name, _full(local.detach(), tensor.kind))
+    if host is not None:
+        host.wait()
     return grads
 
 

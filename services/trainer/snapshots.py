@@ -18,6 +18,12 @@ recovery uses the newest complete one.
     DATA/trainer/<group>/snapshots/<work_seq:012d>/slot-<n>.safetensors
     DATA/trainer/<group>/snapshots/<work_seq:012d>/paged-<model token>.safetensors
 
+A slot whose state is unchanged since the newest complete snapshot (the engine's
+``state_versions`` token for it is the one that snapshot recorded, and it serves the same model)
+is not copied again: that snapshot's ``slot-<n>.safetensors`` is hard-linked into the new one at
+capture (the bytes are the slot's state then, and nothing has changed it since), so the capture
+copies only the slots that trained in between.
+
 A paged state is written to disk once (the page store's file, `PageStore.durable`) and then
 hard-linked into every snapshot that holds it; the page store reads it from the newest snapshot's
 link from then on (the older link goes with its snapshot).
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -52,6 +58,7 @@ class SnapshotIndex(msgspec.Struct):
     slots: dict[int, str] = {}  # slot -> model id
     paged: list[str] = []  # model ids
     format_version: int = 2  # of the adapters' layout; snapshots without the field held format 2
+    versions: dict[int, str] = {}  # slot -> the engine's state token when captured (may be absent)
 
 
 def root(data_dir: Path, group: str) -> Path:
@@ -67,9 +74,11 @@ class Captured:
     """A snapshot's contents, held in host memory until ``write`` puts them on disk."""
 
     index: SnapshotIndex
-    slots: dict[int, paging.PagedState]
+    slots: dict[int, paging.PagedState]  # the slots copied to host memory
     links: dict[str, Path]  # paged model id -> a hard link to its file as captured, in `hold`
     hold: Path  # removed by ``write``
+    # an unchanged slot -> a link to its file in an earlier snapshot, in `hold`
+    reused: dict[int, Path] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -87,25 +96,72 @@ def capture(
     """The state after `work_seq` (call it between units): host copies of the occupied slots, and
     the paged states as files (each written at most once, ``PageStore.durable``), hard-linked at
     once into a holding directory: the page store may delete or rewrite its file under the same
-    name before ``write`` runs."""
-    slots = {slot: paging.capture(engine, slot, model_id) for slot, model_id in sorted(slot_models.items())}
+    name before ``write`` runs. A slot unchanged since the newest snapshot is linked from it
+    instead of copied (module docstring)."""
     base = root(data_dir, group)
     base.mkdir(parents=True, exist_ok=True)
     for stale in base.glob(f"{_HOLD}*"):  # of a trainer that died before writing (one at a time)
         shutil.rmtree(stale, ignore_errors=True)
     hold = base / f"{_HOLD}{work_seq:012d}"
     hold.mkdir()
+    versions = engine.state_versions
+    unchanged = _unchanged(data_dir, group, slot_models, versions)
+    reused: dict[int, Path] = {}
+    for slot, source in unchanged.items():
+        reused[slot] = _hold_link(source, hold / f"slot-{slot}.safetensors")
+    engine.snapshot_buffers.retain(set(slot_models))
+    slots = {
+        slot: paging.capture(engine, slot, model_id, for_snapshot=True)
+        for slot, model_id in sorted(slot_models.items())
+        if slot not in reused
+    }
     links: dict[str, Path] = {}
     for model_id in store.models:
-        held = hold / _paged_file(model_id)
-        source = store.durable(model_id)
-        try:
-            os.link(source, held)
-        except OSError:  # no hard links here: a copy
-            shutil.copyfile(source, held)
-        links[model_id] = held
-    index = SnapshotIndex(work_seq, dict(sorted(slot_models.items())), store.models, FORMAT_VERSION)
-    return Captured(index, slots, links, hold)
+        links[model_id] = _hold_link(store.durable(model_id), hold / _paged_file(model_id))
+    index = SnapshotIndex(
+        work_seq,
+        dict(sorted(slot_models.items())),
+        store.models,
+        FORMAT_VERSION,
+        {slot: versions[slot] for slot in sorted(slot_models) if slot in versions},
+    )
+    return Captured(index, slots, links, hold, reused)
+
+
+def _hold_link(source: Path, held: Path) -> Path:
+    try:
+        os.link(source, held)
+    except OSError:  # no hard links here: a copy
+        shutil.copyfile(source, held)
+    return held
+
+
+def _unchanged(
+    data_dir: Path, group: str, slot_models: dict[int, str], versions: dict[int, str]
+) -> dict[int, Path]:
+    """slot -> its file in the newest complete snapshot, for each slot that snapshot recorded with
+    the same model and the same state token as the engine has now."""
+    previous = latest(data_dir, group)
+    if previous is None:
+        return {}
+    try:
+        index = msgspec.json.decode((previous / INDEX).read_bytes(), type=SnapshotIndex)
+    except (OSError, msgspec.DecodeError):
+        return {}
+    if index.format_version != FORMAT_VERSION:
+        return {}
+    out: dict[int, Path] = {}
+    for slot, model_id in slot_models.items():
+        token_now = versions.get(slot)
+        path = previous / f"slot-{slot}.safetensors"
+        if (
+            token_now is not None
+            and index.slots.get(slot) == model_id
+            and index.versions.get(slot) == token_now
+            and path.exists()
+        ):
+            out[slot] = path
+    return out
 
 
 def write(captured: Captured, data_dir: Path, group: str) -> Path:
@@ -114,6 +170,7 @@ def write(captured: Captured, data_dir: Path, group: str) -> Path:
         files = {f"slot-{slot}.safetensors": paging.encode(state) for slot, state in captured.slots.items()}
         files[INDEX] = msgspec.json.encode(captured.index)
         links = {_paged_file(model_id): path for model_id, path in captured.links.items()}
+        links |= {f"slot-{slot}.safetensors": path for slot, path in captured.reused.items()}
         final = root(data_dir, group) / f"{captured.index.work_seq:012d}"
         return layout.write_dir_atomically(final, files, links=links)
     finally:

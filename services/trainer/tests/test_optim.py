@@ -118,3 +118,26 @@ def test_discard_grads_clears_only_that_slot(engine: TrainerEngine) -> None:
     assert not engine.has_pending_grads(0) and engine.has_pending_grads(1)
     assert all(float(g.abs().max()) == 0 for g in engine.get_slot_grads(0).values())
     assert any(float(g.abs().max()) > 0 for g in engine.get_slot_grads(1).values())
+
+
+def test_slot_tensors_are_listed_again_when_the_slot_config_changes(engine: TrainerEngine) -> None:
+    """The pool hands out the same tensor list while a slot keeps its config; a slot loaded
+    with another rank gets a new list cut to that rank, and its next optim_step updates exactly
+    those tensors (step 1, every one of them changed, gradients zero afterwards)."""
+    randomize_slot(engine, 0, LoraConfig(rank=8, seed=0), seed=1)
+    first = engine.pool.slot_tensors(0)
+    assert engine.pool.slot_tensors(0) is first
+    _train_step(engine, 0, seed=1)
+    assert engine.optim_step({0: AdamParams(learning_rate=1e-2)})[0].applied
+
+    randomize_slot(engine, 0, LoraConfig(rank=2, seed=0), seed=2)
+    second = engine.pool.slot_tensors(0)
+    assert second is not first
+    assert all(t.value().shape[-1 if t.name.endswith("lora_B") else -2] == 2 for t in second)
+    before = _params(engine, 0)
+    _train_step(engine, 0, seed=2)
+    report = engine.optim_step({0: AdamParams(learning_rate=1e-2)})[0]
+    assert report.applied and report.step == 1
+    after = _params(engine, 0)
+    assert set(after) == set(before) and all(not torch.equal(before[k], after[k]) for k in before)
+    assert all(float(g.abs().max()) == 0 for g in engine.get_slot_grads(0).values())

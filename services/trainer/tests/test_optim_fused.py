@@ -217,3 +217,100 @@ def test_bounds_are_measured_again_after_a_slot_is_reset(monkeypatch: pytest.Mon
     report = opt.step_many([(0, _tensors(params, 0, 8), hp)])[0]
     assert len(calls) == 2, "a reloaded slot with extreme weights reached the fused kernel"
     assert report.applied and all(bool(torch.isfinite(t.value()).all()) for t in _tensors(params, 0, 8))
+
+
+def _rows_pool(slots: int, rank: int, device: str, seed: int, aligned: bool) -> list[nn.Parameter]:
+    """Slot rows of 64-float multiples (``aligned``), or of sizes that are no multiple of any
+    vector width, so that every slot's row ends mid-vector."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inner = (48, 32, 16, 64) if aligned else (37, 53, 11, 29)
+    shapes = [
+        (slots, rank, inner[0]),
+        (slots, inner[1], rank),
+        (slots, rank, inner[2]),
+        (slots, inner[3], rank),
+    ]
+    return [nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.1) for s in shapes]
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-rows", "odd-rows"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slot(
+    device: str, aligned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slots 0-2 and 4 share hyper-parameters, slot 3 has others, slot 5 is not stepped; every
+    slot trains whole rows of the pool (its rank is the pool's). On CUDA, and on the CPU where
+    each slot row is a multiple of 64 floats, the fused kernel is given one tensor per parameter
+    and run of consecutive slots (runs 0-2 and 4, then 3: 12 tensors, not 20); on the CPU with
+    odd rows one per parameter and slot. Either way, over three calls, with each parameter's
+    ``.grad`` replaced by a new tensor before the last one, every stepped slot's weights equal
+    torch.optim.AdamW(fused=True) on copies of that slot alone bit for bit, its gradients are
+    zero, and slot 5's weights, gradients and moments are untouched."""
+    rank, slots = 4, 6
+    params = _rows_pool(slots, rank, device, seed=7, aligned=aligned)
+    gen = torch.Generator(device=device).manual_seed(8)
+    for slot in range(slots):
+        _set_grads(params, slot, rank, gen, 1e-2)
+    shared = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    hps = {0: shared, 1: shared, 2: shared, 3: AdamParams(learning_rate=3e-3), 4: shared}
+    refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, rank)] for s in hps}
+    ref_opts = {
+        s: torch.optim.AdamW(
+            refs[s],
+            lr=hp.learning_rate,
+            betas=(hp.beta1, hp.beta2),
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            fused=True,
+        )
+        for s, hp in hps.items()
+    }
+    untouched = [(t.value().clone(), t.grad().clone()) for t in _tensors(params, 5, rank)]  # type: ignore[union-attr]
+    sizes: list[int] = []
+    real = torch._fused_adamw_
+
+    def counting(params_: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+        sizes.append(len(params_))
+        real(params_, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    opt = _optimizer(device)
+    for step in range(1, 4):
+        if step == 3:  # new gradient tensors: views made of the old ones must not be reused
+            for p in params:
+                p.grad = p.grad.clone()  # type: ignore[union-attr]
+        for s in hps:
+            for r, g in zip(refs[s], _set_grads(params, s, rank, gen, 1e-2), strict=True):
+                r.grad = g.clone()
+        sizes.clear()
+        reports = opt.step_many([(s, _tensors(params, s, rank), hp) for s, hp in hps.items()])
+        assert sorted(sizes) == ([4, 8] if aligned or device == "cuda" else [4, 16]), sizes
+        for s in hps:
+            ref_opts[s].step()
+            assert reports[s].applied and reports[s].step == step, (s, reports[s])
+            for t, r in zip(_tensors(params, s, rank), refs[s], strict=True):
+                assert torch.equal(t.value(), r.detach()), (step, s, t.name)
+                assert float(t.grad().abs().max()) == 0, (s, t.name)  # type: ignore[union-attr]
+    for (value, grad), t in zip(untouched, _tensors(params, 5, rank), strict=True):
+        assert torch.equal(value, t.value()) and torch.equal(grad, t.grad())  # type: ignore[arg-type]
+        assert (
+            float(opt.exp_avg[t.name][5].abs().max()) == 0
+            and float(opt.exp_avg_sq[t.name][5].abs().max()) == 0
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_results_are_read_as_one_vector_equal_to_stacking_them(device: str) -> None:
+    """``_vector`` of ``_foreach_norm``'s results, of the elements of one buffer and of a strided
+    view's elements each equals ``torch.stack`` of the same scalars (the buffer itself is reused
+    only where the scalars are its consecutive elements)."""
+    from services.trainer.optim import _vector
+
+    gen = torch.Generator(device=device).manual_seed(9)
+    tensors = [torch.randn(n, generator=gen, device=device) for n in (3, 70, 1, 513)]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    assert torch.equal(_vector(norms), torch.stack(norms))
+    buffer = torch.arange(7.0, device=device)
+    assert _vector(list(buffer.unbind(0))) is buffer
+    strided = list(torch.arange(12.0, device=device)[::3].unbind(0))
+    assert torch.equal(_vector(strided), torch.stack(strided))

@@ -4,6 +4,8 @@ paged models as well as resident ones."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +208,46 @@ def test_a_snapshot_written_after_later_work_holds_the_captured_state(
     for slot, want in ((0, want_a), (1, want_b)):
         got = _state(fresh, slot)
         assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items()), slot
+
+
+def test_a_snapshot_copies_only_the_slots_changed_since_the_last_and_restores_all_exactly(
+    engine: TrainerEngine, qwen_dir: Path, tmp_path: Path
+) -> None:
+    """Three resident slots snapshotted, then only slot 1 trained (a forward_backward and a step)
+    and slot 2 given a forward_backward whose gradients stay pending: the next capture copies
+    slots 1 and 2 (into the host buffers of the first capture) and hard-links slot 0's file from
+    the first snapshot. That snapshot restored
+    into a fresh trainer gives back every slot's state exactly (pending gradients included); a
+    snapshot of the fresh trainer copies every slot again (its state tokens are its own)."""
+    data = tmp_path / "data"
+    store = paging.PageStore(data / "paged", host_budget_bytes=1 << 40)
+    models = {0: "a", 1: "b", 2: "c"}
+    for slot, config in enumerate((X, Y, X)):
+        engine.init_slot(slot, config)
+        _fb(engine, slot, slot)
+        engine.optim_step({slot: HP})
+    first = snapshots.take(engine, models, store, data, "g", work_seq=1)
+    buffers = engine.snapshot_buffers.nbytes
+    _fb(engine, 1, 30)
+    engine.optim_step({1: HP})
+    _fb(engine, 2, 31)
+    want = {slot: _state(engine, slot) for slot in models}
+
+    captured = snapshots.capture(engine, models, store, data, "g", work_seq=2)
+    assert set(captured.slots) == {1, 2} and set(captured.reused) == {0}
+    assert engine.snapshot_buffers.nbytes == buffers  # the first snapshot's host buffers, reused
+    second = snapshots.write(captured, data, "g")
+    snapshots.finish(captured, second, store, data, "g")
+    assert os.path.samefile(first / "slot-0.safetensors", second / "slot-0.safetensors")
+
+    fresh = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8))
+    restored_store = paging.PageStore(tmp_path / "data2" / "paged", host_budget_bytes=1 << 40)
+    assert snapshots.restore(fresh, restored_store, second) == (2, models)
+    for slot in models:
+        got = _state(fresh, slot)
+        assert set(got) == set(want[slot]), slot
+        assert all(torch.equal(got[k], v) for k, v in want[slot].items()), slot
+    assert [fresh.has_pending_grads(s) for s in models] == [False, False, True]
+    again = snapshots.capture(fresh, models, restored_store, data, "g", work_seq=3)
+    assert set(again.slots) == set(models) and not again.reused
+    shutil.rmtree(again.hold)
