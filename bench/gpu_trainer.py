@@ -36,6 +36,7 @@ profile_engine.txt and profile_hf.txt (top kernels), and whatever the caller tee
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -603,6 +604,60 @@ class Bench:
             {"params": params, "peak_gib": self.peak_gib(), "params_per_slot": params // slots},
         )
 
+    def snapshot(self) -> None:
+        """The trainer's internal snapshot (services/trainer/snapshots.py) of a 16-slot engine
+        whose every slot holds state (adapter, moments, pending gradients): the capture (the
+        only part on the unit path) and the background write, first of every slot, then twice
+        after 4 of the 16 slots changed (only those are copied; the rest are linked)."""
+        import tempfile
+
+        from libs.contracts.common import LoraConfig
+        from services.trainer import snapshots
+        from services.trainer.engine import AdamParams
+        from services.trainer.paging import PageStore
+
+        slots = 16 if not self.tiny else 4
+        engine = self.build_engine("varlen_flash" if self.cuda else "sdpa_per_document", slots)
+        for s in range(slots):
+            engine.init_slot(s, LoraConfig(rank=LORA_RANK, seed=s))
+        doc = self.doc_len(256)
+
+        def train(which: list[int], optim: bool) -> None:
+            datums = [dataclasses.replace(self.datums(doc, 1, 1, seed=s)[0], slot=s) for s in which]
+            engine.forward_backward(datums, "cross_entropy")
+            if optim:
+                engine.optim_step({s: AdamParams(learning_rate=1e-5) for s in which})
+                engine.forward_backward(datums, "cross_entropy")  # pending gradients too
+            self.sync()
+
+        train(list(range(slots)), optim=True)
+        models = {s: f"model-{s}" for s in range(slots)}
+        with tempfile.TemporaryDirectory(prefix="tinkerd-snap-") as tmp:
+            data_dir = Path(tmp)
+            store = PageStore(data_dir / "paged", 1 << 30)
+            quarter = max(1, slots // 4)
+            cases = (("all slots", slots), ("a quarter changed", quarter), ("a quarter changed, again", quarter))
+            for work_seq, (label, changed) in enumerate(cases, start=1):
+                if label != "all slots":
+                    train(list(range(changed)), optim=True)
+                t0 = time.perf_counter()
+                captured = snapshots.capture(engine, models, store, data_dir, "bench", work_seq)
+                self.sync()
+                t1 = time.perf_counter()
+                directory = snapshots.write(captured, data_dir, "bench")
+                t2 = time.perf_counter()
+                snapshots.finish(captured, directory, store, data_dir, "bench")
+                row = {
+                    "snapshot": label,
+                    "slots": slots,
+                    "copied_slots": len(captured.slots),
+                    "copied_gb": captured.nbytes / 1e9,
+                    "capture_s": t1 - t0,
+                    "write_s": t2 - t1,
+                }
+                self.log("snapshot", row)
+                self.row("snapshot", row)
+
     def liger(self) -> None:
         if not self.cuda:
             self.log("liger: skipped (its kernels are Triton, CUDA only)")
@@ -839,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     wanted = args.sections.split(",")
-    for name in ("env", "attention", "engine", "optimizer", "hf", "liger"):
+    for name in ("env", "attention", "engine", "optimizer", "snapshot", "hf", "liger"):
         if name not in wanted:
             continue
         with bench.section(name):
@@ -848,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
                 "attention": bench.attention,
                 "engine": bench.engine,
                 "optimizer": bench.optimizer64,
+                "snapshot": bench.snapshot,
                 "hf": bench.hf,
                 "liger": bench.liger,
             }[name]()
