@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,34 +123,37 @@ async def shared_signing_secret(store: Store, candidate: bytes) -> bytes:
     return bytes.fromhex(stored.secret_hex)
 
 
-def base_pools(gateway: Gateway, client: httpx.AsyncClient, data_dir: Path) -> dict[str, EnginePool]:
-    """An engine pool per extra base model listed in `base_sampler_urls`, by the model's name.
+def engine_urls_by_base(
+    config: GatewayConfig, primary: ResolvedModel, served: Callable[[str], ResolvedModel | None]
+) -> dict[str, list[str]]:
+    """`base_sampler_urls` as {extra base model's name: its engine URLs}; `served` maps a name
+    as written (name, alias or path) to the served base model.
 
     Raises:
         ValueError: an entry names a base model that is not served, or the primary one (its
             engines are `sampler_urls`), or one engine is listed for two base models.
     """
-    config = gateway.config
     urls: dict[str, list[str]] = {}
     for name, listed in config.base_engines().items():
-        served = gateway.served(name)
-        if served is None:
+        model = served(name)
+        if model is None:
             raise ValueError(
                 f"TINKERD_GATEWAY_BASE_SAMPLER_URLS names {name!r}, which this gateway does not serve "
                 f"(TINKERD_BASE_MODEL, TINKERD_GATEWAY_EXTRA_BASE_MODELS)"
             )
-        if served is gateway.model:
+        if model.name == primary.name:
             raise ValueError(
                 f"TINKERD_GATEWAY_BASE_SAMPLER_URLS names the primary base model {name!r}: its engines "
                 "are TINKERD_GATEWAY_SAMPLER_URLS (or TINKERD_GATEWAY_SAMPLER_URL)"
             )
-        urls.setdefault(served.name, []).extend(u for u in listed if u not in urls.get(served.name, []))
-    owner = {url: gateway.model.name for url in config.engines()}
+        mine = urls.setdefault(model.name, [])
+        mine.extend(url for url in listed if url not in mine)
+    owner = dict.fromkeys(config.engines(), primary.name)
     for base, listed in urls.items():
         for url in listed:
             if owner.setdefault(url, base) != base:
                 raise ValueError(f"engine {url} is listed for base models {owner[url]!r} and {base!r}; an engine serves one")
-    return {base: EnginePool(client, listed, config.max_loaded_adapters, data_dir) for base, listed in urls.items()}
+    return urls
 
 
 def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
@@ -180,7 +183,8 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
             gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
             gateway.extra_models = extra_models
-            extra_pools.update(base_pools(gateway, client, data_dir))
+            for base, urls in engine_urls_by_base(config, model, gateway.served).items():
+                extra_pools[base] = EnginePool(client, urls, config.max_loaded_adapters, data_dir)
             gateway.extra_pools = extra_pools
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
