@@ -90,7 +90,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
             base, sep, url = (part.strip() for part in entry.partition("="))
             if not sep or not base or not url:
                 raise ValueError(
-                    f"TINKERD_GATEWAY_BASE_SAMPLER_URLS: {entry!r} is not base=url (e.g. tiny-qwen3-narrow=http://127.0.0.1:30001)"
+                    f"TINKERD_GATEWAY_BASE_SAMPLER_URLS: {entry!r} is not base=url "
+                    "(e.g. tiny-qwen3-narrow=http://127.0.0.1:30001)"
                 )
             out.setdefault(base, []).append(url.rstrip("/"))
         return out

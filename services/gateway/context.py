@@ -152,7 +152,9 @@ def engine_urls_by_base(
     for base, listed in urls.items():
         for url in listed:
             if owner.setdefault(url, base) != base:
-                raise ValueError(f"engine {url} is listed for base models {owner[url]!r} and {base!r}; an engine serves one")
+                raise ValueError(
+                    f"engine {url} is listed for base models {owner[url]!r} and {base!r}; an engine serves one"
+                )
     return urls
 
 

@@ -55,6 +55,19 @@ def probe(tokens: list[int]) -> list[types.Datum]:
     ]
 
 
+def forward_logprobs(training: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    """The trainer's logprobs of tokens[1:] after tokens[:-1] (one forward pass)."""
+    out = training.forward(probe(tokens), "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), dtype=np.float64)
+
+
+def scored(sampling: tinker.SamplingClient, tokens: list[int]) -> np.ndarray:
+    """The engine's logprobs of tokens[1:] (compute_logprobs; position 0 is not scored)."""
+    logprobs = sampling.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert logprobs[0] is None
+    return np.asarray(logprobs[1:], dtype=np.float64)
+
+
 def exported(stack: Stack, path: str) -> Path:
     """The directory of a named sampler export `tinker://RUN/sampler_weights/NAME`."""
     run, _, name = path.removeprefix("tinker://").split("/")
@@ -111,28 +124,28 @@ def test_each_base_model_samples_its_adapters_on_its_own_engine(stack: Stack) ->
     assert sorted(tenants) == sorted([PRIMARY, NARROW])
 
     for base, tenant in tenants.items():
-        sampled = list(tenant.sequence.tokens)
-        assert len(sampled) == 6 and len(tenant.sequence.logprobs) == 6
+        sampled, sampled_lp = list(tenant.sequence.tokens), tenant.sequence.logprobs
+        assert sampled_lp is not None and len(sampled) == len(sampled_lp) == 6
         tokens = PROMPT + sampled
         at = (torch.arange(len(PROMPT) - 1, len(tokens) - 1), torch.tensor(sampled))
         every = (torch.arange(len(tokens) - 1), torch.tensor(tokens[1:]))
         reference = HFReference(stack.data_dir / "models" / base, {"a": exported(stack, tenant.named)})
         _, bound = reference.logprobs(tokens[:-1], "a")
         reference_base, bound_base = reference.logprobs(tokens[:-1], None)
-        trainer = np.asarray(tenant.training.forward(probe(tokens), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
-        assert_within(np.asarray(tenant.sequence.logprobs, dtype=np.float64), trainer[len(PROMPT) - 1 :], 2 * bound[at], f"{base} sampled")
+        trainer = forward_logprobs(tenant.training, tokens)
+        sampled_at = np.asarray(sampled_lp, dtype=np.float64)
+        assert_within(sampled_at, trainer[len(PROMPT) - 1 :], 2 * bound[at], f"{base} sampled")
         with tenant.client as client:
-            plain = client.create_sampling_client(base_model=base).result().compute_logprobs(types.ModelInput.from_ints(tokens)).result()
-            assert_within(np.asarray(plain[1:], dtype=np.float64), reference_base[every], bound_base[every], f"{base} base")
-            assert float(np.abs(np.asarray(plain[1:]) - trainer).max()) > 2 * float(bound[every].max())
+            plain = scored(client.create_sampling_client(base_model=base).result(), tokens)
+            assert_within(plain, reference_base[every], bound_base[every], f"{base} base")
+            assert float(np.abs(plain - trainer).max()) > 2 * float(bound[every].max())  # the adapter counts
             from_path = client.create_sampling_client(model_path=tenant.named).result()
-            scored = from_path.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
-            assert_within(np.asarray(scored[1:], dtype=np.float64), trainer, 2 * bound[every], f"{base} named export")
+            assert_within(scored(from_path, tokens), trainer, 2 * bound[every], f"{base} named export")
             if base == NARROW:
                 saved = tenant.training.save_state("narrow-state").result().path
                 resumed = client.create_training_client_from_state(saved).result()
                 assert resumed.get_info().model_data.model_name == NARROW
-                again = np.asarray(resumed.forward(probe(tokens), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist())
+                again = forward_logprobs(resumed, tokens)
                 assert_within(again, trainer, 2 * bound[every], "narrow resumed")
                 unload(stack, tenant.key, str(resumed.model_id))
         unload(stack, tenant.key, str(tenant.training.model_id))
@@ -144,21 +157,24 @@ def test_request_limits_are_those_of_the_model_s_own_base(stack: Stack) -> None:
     tiny-qwen3 accepts both; a narrow sample past the narrow context (1024) is a 400 naming it."""
     big = NARROW_VOCAB + 500
     datum = probe([5, 6, big, 7])
+    outside = rf"token id {big}; ids must be in \[0, {NARROW_VOCAB}\) for base model '{NARROW}'"
     with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-bases-limits") as client:
         narrow = client.create_lora_training_client(base_model=NARROW, rank=4).result()
-        with pytest.raises(tinker.BadRequestError, match=rf"data\[0\]\.model_input contains token id {big}; ids must be in \[0, {NARROW_VOCAB}\) for base model '{NARROW}'"):
+        with pytest.raises(tinker.BadRequestError, match=rf"data\[0\]\.model_input contains {outside}"):
             narrow.forward(datum, "cross_entropy").result()
         primary = client.create_lora_training_client(base_model=PRIMARY, rank=4).result()
         assert primary.forward(datum, "cross_entropy").result().loss_fn_outputs
 
         narrow_sampler = client.create_sampling_client(base_model=NARROW).result()
         one = types.SamplingParams(max_tokens=1, seed=1)
-        with pytest.raises(tinker.BadRequestError, match=rf"prompt contains token id {big}; ids must be in \[0, {NARROW_VOCAB}\) for base model '{NARROW}'"):
+        with pytest.raises(tinker.BadRequestError, match=rf"prompt contains {outside}"):
             narrow_sampler.sample(types.ModelInput.from_ints([5, big]), 1, one).result()
         primary_sampler = client.create_sampling_client(base_model=PRIMARY).result()
-        assert len(primary_sampler.sample(types.ModelInput.from_ints([5, big]), 1, one).result().sequences[0].tokens) == 1
+        answered = primary_sampler.sample(types.ModelInput.from_ints([5, big]), 1, one).result()
+        assert len(answered.sequences[0].tokens) == 1
         too_long = types.SamplingParams(max_tokens=NARROW_CONTEXT, seed=1)
-        with pytest.raises(tinker.BadRequestError, match=rf"exceeds the context length {NARROW_CONTEXT} of base model '{NARROW}'"):
+        past = rf"exceeds the context length {NARROW_CONTEXT} of base model '{NARROW}'"
+        with pytest.raises(tinker.BadRequestError, match=past):
             narrow_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, too_long).result()
         unload(stack, "tml-bases-limits", str(narrow.model_id))
         unload(stack, "tml-bases-limits", str(primary.model_id))
