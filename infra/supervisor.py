@@ -86,9 +86,10 @@ def trainer_groups(env: dict[str, str]) -> list[tuple[str, str]]:
 def sampler_bases(env: Mapping[str, str]) -> list[str]:
     """The extra base models that get a CPU sampler of their own (`sampler@<base>`): each one in
     `TINKERD_GATEWAY_EXTRA_BASE_MODELS` that `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already
-    give engines (an operator's own SGLang, say)."""
+    give engines (an operator's own SGLang, say). The primary base model's sampler is `sampler`."""
     extra = [b.strip() for b in env.get("TINKERD_GATEWAY_EXTRA_BASE_MODELS", "").split(",") if b.strip()]
     listed = {e.partition("=")[0].strip() for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",")}
+    listed.add(env.get("TINKERD_BASE_MODEL", "tiny-qwen3"))
     return [base for base in dict.fromkeys(extra) if base not in listed]
 
 

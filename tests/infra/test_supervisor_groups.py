@@ -32,15 +32,17 @@ def test_without_groups_the_trainer_is_one_child_and_an_empty_group_name_is_refu
 def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tmp_path: Path) -> None:
     """`sampler` is joined by `sampler@<base>` for every extra base model that
     `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already list, on its own port and model
-    directory; every child (the gateway too) sees the extended `TINKERD_GATEWAY_BASE_SAMPLER_URLS`.
-    Without the sampler among the services nothing changes."""
+    directory (not the primary base, whose sampler is `sampler`); every child (the gateway too) sees
+    the extended `TINKERD_GATEWAY_BASE_SAMPLER_URLS`. Without the sampler among the services nothing
+    changes."""
     model = tmp_path / "models" / "other"
     model.mkdir(parents=True)
     config = {"model_type": "qwen3", "vocab_size": 512, "max_position_embeddings": 256}
     (model / "config.json").write_text(json.dumps(config))
     env = {
         "TINKERD_DATA_DIR": str(tmp_path),
-        "TINKERD_GATEWAY_EXTRA_BASE_MODELS": "other, external",
+        "TINKERD_BASE_MODEL": "tiny-qwen3",
+        "TINKERD_GATEWAY_EXTRA_BASE_MODELS": "other, external, tiny-qwen3",
         "TINKERD_GATEWAY_BASE_SAMPLER_URLS": "external=http://10.0.0.1:30000",
     }
     children = expand_services(("sampler", "gateway"), env)
