@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.config import DEFAULT_DATA_DIR
 from infra.natsd import NatsServer, start_nats
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
@@ -81,11 +83,57 @@ def trainer_groups(env: dict[str, str]) -> list[tuple[str, str]]:
     return groups
 
 
-def expand_services(services: tuple[str, ...], env: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Child name -> its environment: `trainer` becomes `trainer@<group>` per configured group."""
+def sampler_bases(env: Mapping[str, str]) -> list[str]:
+    """The extra base models that get a CPU sampler of their own (`sampler@<base>`): each one in
+    `TINKERD_GATEWAY_EXTRA_BASE_MODELS` that `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already
+    give engines (an operator's own SGLang, say). The primary base model's sampler is `sampler`."""
+    extra = [b.strip() for b in env.get("TINKERD_GATEWAY_EXTRA_BASE_MODELS", "").split(",") if b.strip()]
+    listed = {e.partition("=")[0].strip() for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",")}
+    listed.add(env.get("TINKERD_BASE_MODEL", "tiny-qwen3"))
+    return [base for base in dict.fromkeys(extra) if base not in listed]
+
+
+def child_label(base: str) -> str:
+    """A base model's name as part of a child's name (and its liveness file's)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", base)
+
+
+def with_base_samplers(env: dict[str, str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """(`env` with `TINKERD_GATEWAY_BASE_SAMPLER_URLS` extended, the children `sampler@<base>`):
+    a sampler per base of `sampler_bases`, on a free port, serving that base's model directory
+    (built first when it is an embedded tiny model)."""
+    from libs.models.registry import resolve_base_model
+
+    bases = sampler_bases(env)
+    if not bases:
+        return env, {}
+    data_dir = Path(env.get("TINKERD_DATA_DIR", DEFAULT_DATA_DIR)).expanduser()
     children: dict[str, dict[str, str]] = {}
+    entries = [e for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",") if e.strip()]
+    for base in bases:
+        port = free_port()
+        path = resolve_base_model(base, data_dir).path
+        children[f"sampler@{child_label(base)}"] = {
+            "TINKERD_SAMPLER_MODEL_PATH": str(path),
+            "TINKERD_SAMPLER_PORT": str(port),
+        }
+        entries.append(f"{base}=http://127.0.0.1:{port}")
+    return {**env, "TINKERD_GATEWAY_BASE_SAMPLER_URLS": ",".join(entries)}, children
+
+
+def expand_services(services: tuple[str, ...], env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Child name -> its environment: `trainer` becomes `trainer@<group>` per configured group,
+    and `sampler` is joined by `sampler@<base>` per extra base model (`with_base_samplers`)."""
+    children: dict[str, dict[str, str]] = {}
+    samplers: dict[str, dict[str, str]] = {}
+    if "sampler" in services:
+        env, samplers = with_base_samplers(env)
     for name in services:
         groups = trainer_groups(env) if name == "trainer" else []
+        if name == "sampler":
+            children[name] = env
+            children.update({child: {**env, **extra} for child, extra in samplers.items()})
+            continue
         if not groups:
             children[name] = env
             continue

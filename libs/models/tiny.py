@@ -87,12 +87,15 @@ class TinyPreset:
 PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen3": TinyPreset("tiny-qwen3", "qwen3", "Qwen3ForCausalLM", rope_theta=1_000_000.0),
     "tiny-llama": TinyPreset("tiny-llama", "llama", "LlamaForCausalLM", rope_theta=500_000.0),
-    # a second shape (narrower, shallower, other head layout): two base models at once in tests
+    # a second shape (narrower, shallower, other head layout, a smaller vocabulary and context):
+    # two base models at once in tests, each with its own request limits
     "tiny-qwen3-narrow": TinyPreset(
         "tiny-qwen3-narrow",
         "qwen3",
         "Qwen3ForCausalLM",
         rope_theta=1_000_000.0,
+        vocab_size=1024,
+        max_position_embeddings=1024,
         hidden_size=128,
         intermediate_size=320,
         num_hidden_layers=2,

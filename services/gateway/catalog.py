@@ -73,9 +73,10 @@ async def resolve_checkpoint(
         raise BadRequest(f"{path} is not a {kind} checkpoint (it is {record.kind})")
     if not within(gateway.data_dir, Path(record.directory)):
         raise NotFound(f"checkpoint {path!r} not found")
-    if record.base_model != gateway.model.name:
+    if all(record.base_model != model.name for model in gateway.models):
+        names = ", ".join(repr(m.name) for m in gateway.models)
         raise BadRequest(
-            f"checkpoint {path} was trained on base model {record.base_model!r}; this deployment serves {gateway.model.name!r}"
+            f"checkpoint {path} was trained on base model {record.base_model!r}; this deployment serves {names}"
         )
     return record
 

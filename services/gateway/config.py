@@ -17,8 +17,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     base_model: str = "tiny-qwen3"
     """The deployment's primary base model (short name or directory): training and sampling."""
     extra_base_models: str = ""
-    """More base models to train on (comma-separated names), each served by its own trainer
-    group (`TINKERD_TRAINER_GROUPS`); sampling stays on the primary one."""
+    """More base models (comma-separated names), each trained by its own trainer group
+    (`TINKERD_TRAINER_GROUPS`) and sampled through its own engines (`base_sampler_urls`)."""
     keys_file: str | None = None
     """JSON keys file; without one the gateway runs in open mode (loopback only)."""
     admin_key: str | None = None
@@ -27,7 +27,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """An SGLang-compatible engine (services/sampler on CPU, real SGLang on GPU)."""
     sampler_urls: str = ""
     """Comma-separated engines to sample through (default: `sampler_url` alone); each adapter
-    prefers one engine (rendezvous hashing) and moves to the next one while that is down."""
+    prefers one engine (rendezvous hashing) and moves to the next one while that is down.
+    These engines serve the primary base model."""
+    base_sampler_urls: str = ""
+    """The engines of the extra base models: comma-separated `base=url` entries, a base repeated
+    once per engine (`tiny-qwen3-narrow=http://127.0.0.1:30001`). An extra base without an entry
+    trains but is not sampleable. Each engine serves one base model."""
     max_loaded_adapters: int = 16
     """Adapters kept on each engine; past that the least recently used idle one is unloaded."""
     sample_deadline_s: float = 1800.0
@@ -71,6 +76,25 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def engines(self) -> list[str]:
         urls = [u.strip().rstrip("/") for u in self.sampler_urls.split(",") if u.strip()]
         return urls or [self.sampler_url.rstrip("/")]
+
+    def base_engines(self) -> dict[str, list[str]]:
+        """`base_sampler_urls` as {base name as written: [engine URL, ...]} (in the order given).
+
+        Raises:
+            ValueError: an entry is not `base=url`.
+        """
+        out: dict[str, list[str]] = {}
+        for entry in (e.strip() for e in self.base_sampler_urls.split(",")):
+            if not entry:
+                continue
+            base, sep, url = (part.strip() for part in entry.partition("="))
+            if not sep or not base or not url:
+                raise ValueError(
+                    f"TINKERD_GATEWAY_BASE_SAMPLER_URLS: {entry!r} is not base=url "
+                    "(e.g. tiny-qwen3-narrow=http://127.0.0.1:30001)"
+                )
+            out.setdefault(base, []).append(url.rstrip("/"))
+        return out
 
 
 def load_config(env: Mapping[str, str], **overrides: object) -> GatewayConfig:

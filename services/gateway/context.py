@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +56,19 @@ class Gateway:
     metrics: Metrics = field(default_factory=Metrics)
     sessions: SessionBeats | None = None  # session_lifecycle.SessionLifecycle, set by the lifespan
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
-    extra_models: list[ResolvedModel] = field(default_factory=list)  # more trainable base models
+    extra_models: list[ResolvedModel] = field(default_factory=list)  # more served base models
+    extra_pools: dict[str, EnginePool] = field(default_factory=dict)
+    """The engines of each extra base model that has some, by its name (`base_sampler_urls`);
+    `engines` are the primary base model's."""
+
+    def pool(self, base: str) -> EnginePool | None:
+        """The engines that sample base model `base` (a record's name); None: it has none."""
+        return self.engines if base == self.model.name else self.extra_pools.get(base)
+
+    @property
+    def pools(self) -> list[EnginePool]:
+        """Every engine pool, the primary base model's first."""
+        return [self.engines, *self.extra_pools.values()]
 
     @property
     def models(self) -> list[ResolvedModel]:
@@ -93,22 +105,13 @@ class Gateway:
             sampling_in_use=self.admission.sampling_in_use,
             sampling_capacity=self.config.sampling_capacity,
             queued=self.admission.queued(),
-            engines=self.engines,
+            engines=self.pools,
         )
 
     def on_result(self, result: RequestResult) -> None:
         """A result arrived: the request no longer counts against admission limits."""
         self.admission.finished(result.tenant, result.model_id, result.request_id)
         self.metrics.on_result(result)
-
-    def base_model_matches(self, name: str) -> bool:
-        """The SDK sends back whatever name the client used: accept our name, alias or path."""
-        if name in (self.model.name, str(self.model.path), f"tinkerd/{self.model.name}"):
-            return True
-        try:
-            return resolve_base_model(name, self.data_dir, build_missing=False).path == self.model.path
-        except ValueError:
-            return False
 
 
 async def shared_signing_secret(store: Store, candidate: bytes) -> bytes:
@@ -120,30 +123,71 @@ async def shared_signing_secret(store: Store, candidate: bytes) -> bytes:
     return bytes.fromhex(stored.secret_hex)
 
 
+def engine_urls_by_base(
+    config: GatewayConfig, primary: ResolvedModel, served: Callable[[str], ResolvedModel | None]
+) -> dict[str, list[str]]:
+    """`base_sampler_urls` as {extra base model's name: its engine URLs}; `served` maps a name
+    as written (name, alias or path) to the served base model.
+
+    Raises:
+        ValueError: an entry names a base model that is not served, or the primary one (its
+            engines are `sampler_urls`), or one engine is listed for two base models.
+    """
+    urls: dict[str, list[str]] = {}
+    for name, listed in config.base_engines().items():
+        model = served(name)
+        if model is None:
+            raise ValueError(
+                f"TINKERD_GATEWAY_BASE_SAMPLER_URLS names {name!r}, which this gateway does not serve "
+                f"(TINKERD_BASE_MODEL, TINKERD_GATEWAY_EXTRA_BASE_MODELS)"
+            )
+        if model.name == primary.name:
+            raise ValueError(
+                f"TINKERD_GATEWAY_BASE_SAMPLER_URLS names the primary base model {name!r}: its engines "
+                "are TINKERD_GATEWAY_SAMPLER_URLS (or TINKERD_GATEWAY_SAMPLER_URL)"
+            )
+        mine = urls.setdefault(model.name, [])
+        mine.extend(url for url in listed if url not in mine)
+    owner = dict.fromkeys(config.engines(), primary.name)
+    for base, listed in urls.items():
+        for url in listed:
+            if owner.setdefault(url, base) != base:
+                raise ValueError(
+                    f"engine {url} is listed for base models {owner[url]!r} and {base!r}; an engine serves one"
+                )
+    return urls
+
+
 def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
     @asynccontextmanager
     async def run(app: Litestar) -> AsyncIterator[None]:
         data_dir = Path(config.data_dir).expanduser().resolve()
         model = resolve_base_model(config.base_model, data_dir)
-        if config.cache_tokenizer and model.name in SHORT_NAMES:
-            try:
-                install_tokenizer(model.path, [model.name, SHORT_NAMES[model.name]])
-            except OSError as exc:  # a read-only cache costs get_tokenizer() only
-                log.warning("could not cache the tokenizer of %s: %s", model.name, exc)
+        extra_models = [
+            resolve_base_model(name.strip(), data_dir) for name in config.extra_base_models.split(",") if name.strip()
+        ]
+        for served in [model, *extra_models] if config.cache_tokenizer else []:
+            if served.name in SHORT_NAMES:
+                try:
+                    install_tokenizer(served.path, [served.name, SHORT_NAMES[served.name]])
+                except OSError as exc:  # a read-only cache costs get_tokenizer() only
+                    log.warning("could not cache the tokenizer of %s: %s", served.name, exc)
         bus = await Bus.connect(config.nats_url, "gateway")
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
         )
         engines = EnginePool(client, config.engines(), config.max_loaded_adapters, data_dir)
+        extra_pools: dict[str, EnginePool] = {}
         try:
             await ensure_streams(bus.js)
             board = FutureBoard(bus)
             await board.start()
             keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
             gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
-            gateway.extra_models = [
-                resolve_base_model(name.strip(), data_dir) for name in config.extra_base_models.split(",") if name.strip()
-            ]
+            gateway.extra_models = extra_models
+            for base, urls in engine_urls_by_base(config, model, gateway.served).items():
+                extra_pools[base] = EnginePool(client, urls, config.max_loaded_adapters, data_dir)
+            gateway.extra_pools = extra_pools
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
                 gateway.signing_secret = config.signing_secret.encode()
@@ -168,7 +212,8 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
                 await gateway.sessions.close()
             if hasattr(app.state, "gateway"):
                 await app.state.gateway.board.stop()
-            await engines.close()
+            for pool in [engines, *extra_pools.values()]:
+                await pool.close()
             await client.aclose()
             await bus.close()
 

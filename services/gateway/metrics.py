@@ -41,7 +41,8 @@ class Live:
     sampling_in_use: int
     sampling_capacity: int
     queued: dict[str, int]
-    engines: EnginePool | None
+    engines: list[EnginePool]
+    """Every base model's engine pool."""
 
 
 class GatewayCollector(Collector):
@@ -88,15 +89,15 @@ class GatewayCollector(Collector):
         yield GaugeMetricFamily(
             "tinkerd_gateway_sampling_permits_capacity", "Sampling permits available in total.", live.sampling_capacity
         )
-        if live.engines is not None:
+        if live.engines:
             yield from _engine_metrics(live.engines)
 
 
-def _engine_metrics(engines: EnginePool) -> Iterator[Metric]:
+def _engine_metrics(pools: list[EnginePool]) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "tinkerd_gateway_samples_waiting_for_engine",
         "Samples of this replica waiting for an unreachable sampling engine.",
-        engines.waiting,
+        sum(pool.waiting for pool in pools),
     )
     loaded = GaugeMetricFamily(
         "tinkerd_gateway_engine_adapters_loaded", "Adapters this replica keeps loaded on each engine.", labels=["engine"]
@@ -111,7 +112,8 @@ def _engine_metrics(engines: EnginePool) -> Iterator[Metric]:
         "Least recently used adapters this replica unloaded from each engine.",
         labels=["engine"],
     )
-    for url, residency in sorted(engines.residency.items()):
+    residencies = {url: r for pool in pools for url, r in pool.residency.items()}
+    for url, residency in sorted(residencies.items()):
         loaded.add_metric([url], len(residency.resident))
         loads.add_metric([url], residency.loads)
         unloads.add_metric([url], residency.unloads)

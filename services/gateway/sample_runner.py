@@ -9,7 +9,8 @@ A job whose engine cannot be reached (down, restarting, 502/503/504) waits for i
 failing: its future answers `try_again` with `queue_state: paused_capacity` and a reason (a
 `QueueRecord` in `tinker_queue`), the job is kept alive with in-progress acks, and it runs as soon
 as an engine answers `/health` again. It fails only past `sample_deadline_s` after it was accepted.
-The adapter it samples with is loaded into the engine on demand (see `engines.py`).
+The adapter it samples with is loaded into the engine on demand (see `engines.py`); the engines
+are those of the sampler's base model (`Gateway.pool`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ PAUSED_CAPACITY = "paused_capacity"
 class SampleRunner:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.engines = gateway.engines
         self.slots = asyncio.Semaphore(gateway.config.sampling_capacity)
         self.tasks: set[asyncio.Task[None]] = set()
         self.running: dict[str, asyncio.Task[ResultBody]] = {}  # request id -> the job's generation
@@ -173,11 +173,18 @@ class SampleRunner:
         paused = False
         try:
             request = codec.from_json(job.engine_request, dict)
-            adapter = await self._adapter(job.sampler_id)
+            adapter, base = await self._adapter(job.sampler_id)
+            engines = self.gateway.pool(base)
+            if engines is None:  # the gateway was restarted without this base's engines
+                return Failure(
+                    error=f"base model {base!r} has no sampling engine in this deployment "
+                    "(TINKERD_GATEWAY_BASE_SAMPLER_URLS)",
+                    category="user",
+                )
             deadline_ns = job.at_ns + int(self.gateway.config.sample_deadline_s * 1e9)
             while True:
                 try:
-                    outputs = await self.engines.generate(request, adapter)
+                    outputs = await engines.generate(request, adapter)
                     break
                 except sglang.EngineUnavailable as exc:
                     left_s = (deadline_ns - now_ns()) / 1e9
@@ -190,7 +197,7 @@ class SampleRunner:
                     if not paused:
                         paused = True
                         await self._pause(job, exc)
-                    await self.engines.wait_available(left_s)
+                    await engines.wait_available(left_s)
             return sglang.to_sample_result(
                 outputs,
                 job.prompt_len,
@@ -228,8 +235,9 @@ class SampleRunner:
         with contextlib.suppress(Exception):
             await self.gateway.store.delete(s.KV_QUEUE, s.token(job.request_id))
 
-    async def _adapter(self, sampler_id: str) -> Adapter | None:
-        """The adapter to sample with (None: the base model), waiting for a pending save."""
+    async def _adapter(self, sampler_id: str) -> tuple[Adapter | None, str]:
+        """(the adapter to sample with (None: the base model), the sampler's base model), waiting
+        for a pending save."""
         store = self.gateway.store
         sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord)
         if sampler is None:
@@ -240,8 +248,8 @@ class SampleRunner:
                 raise RuntimeError("the sampler export this sampler was created for failed to save")
             sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord) or sampler
         if not sampler.adapter_name:
-            return None
-        return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir)
+            return None, sampler.base_model
+        return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir), sampler.base_model
 
 
 class _Cancelled(Exception):

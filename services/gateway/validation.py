@@ -1,7 +1,7 @@
 """Turns Tinker wire datums into bus datums, checking everything before anything is appended.
 
-Every message names the field and the limit. Limits come from the gateway config and the base
-model (vocabulary size, context length).
+Every message names the field and the limit. Limits come from the gateway config and the
+request's own base model (vocabulary size, context length).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ INT_INPUTS = frozenset({"target_tokens"})
 
 
 class Limits:
-    def __init__(self, config: GatewayConfig, vocab_size: int, max_context: int) -> None:
+    def __init__(self, config: GatewayConfig, vocab_size: int, max_context: int, base: str = "") -> None:
         self.config = config
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.base = base  # the base model's name, for messages
 
     @property
     def max_tokens_per_datum(self) -> int:
@@ -51,10 +52,12 @@ def check_body_size(size: int, limits: Limits, json: bool = False) -> None:
         raise PayloadTooLarge(f"request body is {size} bytes; the limit is {limit} ({form})")
 
 
-def _tokens_in_vocab(name: str, tokens: np.ndarray, vocab: int) -> None:
+def _tokens_in_vocab(name: str, tokens: np.ndarray, limits: Limits) -> None:
+    vocab = limits.vocab_size
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
-        raise BadRequest(f"{name} contains token id {bad}; ids must be in [0, {vocab}) for this base model")
+        which = f"base model {limits.base!r}" if limits.base else "this base model"
+        raise BadRequest(f"{name} contains token id {bad}; ids must be in [0, {vocab}) for {which}")
 
 
 def _bus_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], limits: Limits) -> BusDatum:
@@ -62,15 +65,16 @@ def _bus_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], li
     if tokens.size > limits.max_tokens_per_datum:
         raise PayloadTooLarge(
             f"{where}.model_input has {tokens.size} tokens; the limit is {limits.max_tokens_per_datum} per datum"
+            + (f" for base model {limits.base!r}" if limits.base else "")
         )
-    _tokens_in_vocab(f"{where}.model_input", tokens, limits.vocab_size)
+    _tokens_in_vocab(f"{where}.model_input", tokens, limits)
     bus_inputs = {}
     for name, array in inputs.items():
         if array.ndim not in (1, 2):  # [N], or [N, K] for top-K targets (the loss spec says which)
             raise BadRequest(f"{where}.loss_fn_inputs.{name} must be [N] or [N, K], got shape {list(array.shape)}")
         if name in INT_INPUTS:
             arr = array.astype(np.int64)
-            _tokens_in_vocab(f"{where}.loss_fn_inputs.{name}", arr, limits.vocab_size)
+            _tokens_in_vocab(f"{where}.loss_fn_inputs.{name}", arr, limits)
         else:
             arr = array.astype(np.float32)
             if not np.isfinite(arr).all():

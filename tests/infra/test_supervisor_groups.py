@@ -1,7 +1,11 @@
 """`TINKERD_TRAINER_GROUPS` turns the supervisor's one `trainer` into one child per group, each
-with its group (and base model, when given) in its environment; other services are unchanged."""
+with its group (and base model, when given) in its environment; each extra base model gets a
+sampler child of its own; other services are unchanged."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +27,31 @@ def test_without_groups_the_trainer_is_one_child_and_an_empty_group_name_is_refu
     assert list(expand_services(("trainer",), {})) == ["trainer"]
     with pytest.raises(SystemExit, match="empty group name"):
         expand_services(("trainer",), {"TINKERD_TRAINER_GROUPS": "a,,b"})
+
+
+def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tmp_path: Path) -> None:
+    """`sampler` is joined by `sampler@<base>` for every extra base model that
+    `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already list, on its own port and model
+    directory (not the primary base, whose sampler is `sampler`); every child (the gateway too) sees
+    the extended `TINKERD_GATEWAY_BASE_SAMPLER_URLS`. Without the sampler among the services nothing
+    changes."""
+    model = tmp_path / "models" / "other"
+    model.mkdir(parents=True)
+    config = {"model_type": "qwen3", "vocab_size": 512, "max_position_embeddings": 256}
+    (model / "config.json").write_text(json.dumps(config))
+    env = {
+        "TINKERD_DATA_DIR": str(tmp_path),
+        "TINKERD_BASE_MODEL": "tiny-qwen3",
+        "TINKERD_GATEWAY_EXTRA_BASE_MODELS": "other, external, tiny-qwen3",
+        "TINKERD_GATEWAY_BASE_SAMPLER_URLS": "external=http://10.0.0.1:30000",
+    }
+    children = expand_services(("sampler", "gateway"), env)
+    assert list(children) == ["sampler", "sampler@other", "gateway"]
+    extra = children["sampler@other"]
+    assert Path(extra["TINKERD_SAMPLER_MODEL_PATH"]).resolve() == model.resolve()
+    port = extra["TINKERD_SAMPLER_PORT"]
+    listed = f"external=http://10.0.0.1:30000,other=http://127.0.0.1:{port}"
+    assert {child["TINKERD_GATEWAY_BASE_SAMPLER_URLS"] for child in children.values()} == {listed}
+    assert "TINKERD_SAMPLER_PORT" not in children["sampler"]  # the primary sampler keeps its own
+    assert [service_of(name) for name in children] == ["sampler", "sampler", "gateway"]
+    assert expand_services(("gateway",), env) == {"gateway": env}

@@ -327,7 +327,7 @@ def test_sampling_prompt_errors(alice: Api) -> None:
     assert S.sampler_id, "runs after test_another_tenant_gets_404_for_model_future_sampler_and_checkpoint"
     too_long = sample(alice, [1, 2, 3], sampling_params={"max_tokens": CONTEXT})
     assert f"exceeds the context length {CONTEXT}" in error(too_long, 400)
-    assert f"outside [0, {VOCAB})" in error(sample(alice, [1, VOCAB]), 400)
+    assert f"prompt contains token id {VOCAB}; ids must be in [0, {VOCAB})" in error(sample(alice, [1, VOCAB]), 400)
     image = [{"type": "image", "data": "aGVsbG8=", "format": "png"}]
     assert "text only" in error(sample(alice, [], chunks=image), 400)
 

@@ -140,7 +140,7 @@ async def get_server_capabilities(gateway: Gateway, tenant: Tenant) -> w.GetServ
                 model_name=model.name,
                 max_context_length=model.max_context,
                 trainable=True,
-                sampleable=model is gateway.model,  # samplers serve the primary base model
+                sampleable=gateway.pool(model.name) is not None,  # it has sampling engines
             )
             for model in gateway.models
         ]

@@ -21,7 +21,7 @@ async def operator_status(request: Request[Any, Any, Any], gateway: Gateway) -> 
     status = msgspec.to_builtins(await status_of(gateway.bus))
     status["gateway"] = {"sampling_permits_in_use": gateway.admission.sampling_in_use}
     status["gateway"]["futures_waiting"] = gateway.board.waiting
-    status["gateway"]["samples_waiting_for_engine"] = gateway.engines.waiting
+    status["gateway"]["samples_waiting_for_engine"] = sum(pool.waiting for pool in gateway.pools)
     return status  # type: ignore[no-any-return]
 
 

@@ -50,7 +50,7 @@ async def create_sampling_session(
         base_model=gateway.model.name,
         created_ns=now_ns(),
     )
-    if data.model_path:
+    if data.model_path:  # the checkpoint's base model, whatever base_model says
         checkpoint: CheckpointRecord = await resolve_checkpoint(
             gateway, tenant, data.model_path, kind="sampler"
         )
@@ -59,16 +59,34 @@ async def create_sampling_session(
             checkpoint.adapter_name,
             checkpoint.directory,
         )
-    elif data.base_model and not gateway.base_model_matches(data.base_model):
-        raise BadRequest(
-            f"base_model {data.base_model!r} is not served here; this deployment serves {gateway.model.name!r}"
-        )
+        record.base_model = checkpoint.base_model
+    elif data.base_model:
+        served = gateway.served(data.base_model)
+        if served is None:
+            names = ", ".join(repr(m.name) for m in gateway.models)
+            raise BadRequest(f"base_model {data.base_model!r} is not served here; this deployment serves {names}")
+        record.base_model = served.name
+    check_sampleable(gateway, record.base_model)
     created, existing = await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
-    if not created and (existing.tenant != tenant.id or existing.model_path != record.model_path):
+    if not created and (
+        existing.tenant != tenant.id
+        or existing.model_path != record.model_path
+        or existing.base_model != record.base_model
+    ):
         raise Conflict(
             f"sampling_session_seq_id {data.sampling_session_seq_id} was already used for another sampler"
         )
     return w.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+
+
+def check_sampleable(gateway: Gateway, base: str) -> None:
+    """A 400 unless base model `base` has sampling engines here."""
+    if gateway.pool(base) is None:
+        sampleable = ", ".join(repr(m.name) for m in gateway.models if gateway.pool(m.name) is not None)
+        raise BadRequest(
+            f"base_model {base!r} is trained here but has no sampling engine in this deployment; "
+            f"sampleable base models: {sampleable}"
+        )
 
 
 @get("/api/v1/samplers/{sampler_id:str}", operation_id="get_sampler")
@@ -102,17 +120,22 @@ def _stop_params(stop: object) -> dict[str, Any]:
     return {"stop": [str(x) for x in stop]}  # type: ignore[attr-defined]
 
 
-def _checked_prompt(data: w.SampleRequest, gateway: Gateway) -> tuple[np.ndarray, int]:
-    """(prompt token ids, max_tokens), or a 400 naming what is wrong."""
+def _checked_prompt(data: w.SampleRequest, gateway: Gateway, base: str) -> tuple[np.ndarray, int]:
+    """(prompt token ids, max_tokens), or a 400 naming what is wrong; the limits (vocabulary,
+    context length) are those of the sampler's base model `base`."""
     try:
         prompt = np.asarray(data.prompt.token_ids(), dtype=np.int64)
     except ValueError as exc:
         raise BadRequest(f"prompt: text only ({exc})") from exc
-    vocab, context = gateway.model.vocab_size, gateway.model.max_context
+    model = gateway.model_named(base)
+    vocab, context = model.vocab_size, model.max_context
     if prompt.size == 0:
         raise BadRequest("prompt has no tokens")
     if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-        raise BadRequest(f"prompt contains a token id outside [0, {vocab})")
+        bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+        raise BadRequest(
+            f"prompt contains token id {bad}; ids must be in [0, {vocab}) for base model {model.name!r}"
+        )
     most = min(
         gateway.config.max_num_samples, gateway.config.sampling_capacity
     )  # more could never be admitted
@@ -122,7 +145,8 @@ def _checked_prompt(data: w.SampleRequest, gateway: Gateway) -> tuple[np.ndarray
     max_tokens = max_tokens if max_tokens is not None else context - int(prompt.size)
     if max_tokens < 1 or prompt.size + max_tokens > context:
         raise BadRequest(
-            f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the context length {context}"
+            f"prompt ({prompt.size} tokens) + max_tokens ({max_tokens}) exceeds the context length {context} "
+            f"of base model {model.name!r}"
         )
     return prompt, max_tokens
 
@@ -196,7 +220,8 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     seq = data.seq_id if data.seq_id is not None else 0
     if seq < 0:
         raise BadRequest(f"seq_id must be >= 0, got {seq}")
-    prompt, max_tokens = _checked_prompt(data, gateway)
+    check_sampleable(gateway, sampler.base_model)
+    prompt, max_tokens = _checked_prompt(data, gateway, sampler.base_model)
     request_id = ids.request_id(sampler.sampler_id, seq)
     claim = SeqClaim(
         request_id=request_id,

@@ -8,6 +8,8 @@ arrives through `retrieve_future`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import zstandard
 from litestar import Request, post
@@ -49,8 +51,11 @@ from services.gateway.validation import (
 PROTOBUF = "application/x-protobuf"
 
 
-def limits(gateway: Gateway) -> Limits:
-    return Limits(gateway.config, gateway.model.vocab_size, gateway.model.max_context)
+def limits(gateway: Gateway, base: str | None = None) -> Limits:
+    """The request limits of base model `base` (a record's name; None: the primary one). The
+    body-size limits are the config's alone, the same for every base."""
+    model = gateway.model if base is None else gateway.model_named(base)
+    return Limits(gateway.config, model.vocab_size, model.max_context, model.name)
 
 
 def _future(request_id: str, model_id: str | None = None) -> w.UntypedAPIFuture:
@@ -150,14 +155,15 @@ async def _forward_backward(
     model_id: str,
     seq_id: int | None,
     digest: str,
-    build: object,
+    build: Callable[[Limits], ForwardBackward],
     kind: str = "forward_backward",
 ) -> w.UntypedAPIFuture:
-    """`kind` "forward" for forward-only passes: a refused one never poisons a gradient window."""
-    await owned_model(gateway, tenant, model_id)
+    """`kind` "forward" for forward-only passes: a refused one never poisons a gradient window.
+    `build(limits)` checks the datums against the limits of the model's base model."""
+    model = await owned_model(gateway, tenant, model_id)
     seq = check_seq(seq_id)
     try:
-        command = build() if callable(build) else None
+        command = build(limits(gateway, model.base_model))
     except TinkerError as refused:
         await append(gateway, tenant, model_id, seq, kind, digest, None, refused)
         raise
@@ -185,8 +191,8 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
         except ValueError as exc:
             raise BadRequest(f"invalid ForwardBackwardRequest: {exc}") from exc
 
-        def build_proto() -> ForwardBackward:
-            datums = datums_from_proto(req.data, limits(gateway))
+        def build_proto(base_limits: Limits) -> ForwardBackward:
+            datums = datums_from_proto(req.data, base_limits)
             check_loss(req.loss_fn, config, datums)
             return ForwardBackward(
                 model_id=req.model_id,
@@ -217,8 +223,8 @@ async def _legacy(
 ) -> w.UntypedAPIFuture:
     config = dict(inp.loss_fn_config or {})
 
-    def build_json() -> ForwardBackward:
-        datums = datums_from_json(inp.data, limits(gateway))
+    def build_json(base_limits: Limits) -> ForwardBackward:
+        datums = datums_from_json(inp.data, base_limits)
         check_loss(inp.loss_fn, config, datums)
         return ForwardBackward(
             model_id=model_id,

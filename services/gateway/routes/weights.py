@@ -21,6 +21,7 @@ from services.gateway.auth import Tenant
 from services.gateway.catalog import check_name, resolve_checkpoint
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest
+from services.gateway.routes.sampling import check_sampleable
 from services.gateway.routes.training import _create
 from services.gateway.submit import check_seq, fingerprint_json, owned_model, sequenced
 
@@ -68,7 +69,8 @@ async def save_weights_for_sampler(
     async def build() -> SaveForSampler:
         nonlocal sampler_id
         name, ttl = (check_name(data.path, "path") if data.path else None), check_ttl(data.ttl_seconds)
-        if name is None:
+        if name is None:  # the SDK samples it next (save_weights_and_get_sampling_client)
+            check_sampleable(gateway, model.base_model)
             sampler_id = await register_sampler(gateway, tenant, model, seq, data.sampling_session_seq_id)
         return SaveForSampler(
             model_id=data.model_id, seq_id=seq, name=name, sampling_session_id=sampler_id, ttl_s=ttl
@@ -98,7 +100,7 @@ async def register_sampler(
         sampler_id=sampler_id,
         tenant=tenant.id,
         session_id=model.session_id,
-        base_model=gateway.model.name,
+        base_model=model.base_model,
         pending_request_id=ids.request_id(model.model_id, seq),
         created_ns=now_ns(),
     )
@@ -128,10 +130,11 @@ async def save_weights_external(
 
 async def _restore_ref(
     gateway: Gateway, tenant: Tenant, data: w.LoadWeightsRequest
-) -> tuple[CheckpointRef, LoraConfig]:
+) -> tuple[CheckpointRef, LoraConfig, str]:
+    """(what to restore, its LoRA config, the base model it was trained on)."""
     checkpoint = await resolve_checkpoint(gateway, tenant, data.path, kind="training")
     ref = CheckpointRef(tinker_path=data.path, directory=checkpoint.directory, with_optimizer=data.optimizer)
-    return ref, checkpoint.lora
+    return ref, checkpoint.lora, checkpoint.base_model
 
 
 @post("/api/v1/load_weights", status_code=200, operation_id="load_weights")
@@ -143,9 +146,9 @@ async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Ten
     later ones are a 400 `LoadWeights is not permitted with seq_id N` (the seq_id is consumed)."""
     digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
     if data.session_id is not None and data.model_seq_id is not None:
-        ref, lora = await _restore_ref(gateway, tenant, data)
-        return await _create(
-            gateway, tenant, data.session_id, data.model_seq_id, lora, digest, data.user_metadata, ref
+        ref, lora, base = await _restore_ref(gateway, tenant, data)
+        return await _create(  # a model of the checkpoint's base model
+            gateway, tenant, data.session_id, data.model_seq_id, lora, digest, data.user_metadata, ref, base
         )
     if data.model_id is None:
         raise BadRequest(
@@ -160,7 +163,12 @@ async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Ten
                 f"LoadWeights is not permitted with seq_id {seq}: load_state only as a training client's "
                 "first request; to resume elsewhere, create_training_client_from_state(path)"
             )
-        ref, lora = await _restore_ref(gateway, tenant, data)
+        ref, lora, base = await _restore_ref(gateway, tenant, data)
+        if base != model.base_model:
+            raise BadRequest(
+                f"checkpoint {data.path} was trained on base model {base!r}; model {model.model_id} is of "
+                f"{model.base_model!r}"
+            )
         if lora.rank != model.lora.rank:
             raise BadRequest(
                 f"checkpoint {data.path} has LoRA rank {lora.rank}; model {model.model_id} has rank {model.lora.rank}"
