@@ -284,6 +284,7 @@ def build_engine(config: TrainerConfig, device: str) -> tuple[TrainerEngine, str
             num_slots=config.num_slots,
             max_lora_rank=config.max_lora_rank,
             device=device,
+            fused_cross_entropy=config.fused_cross_entropy,
         )
     )
     return engine, model.name
