@@ -32,7 +32,7 @@ from libs.contracts.events import RequestCompleted, RequestFailed, SlotAssigned,
 from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim, TrainerStatus
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
-from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
+from libs.contracts.work import AdoptSlot, BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from libs.faults import crash_point
 from services.planner import snapshot
 from services.planner.config import PlannerConfig
@@ -356,15 +356,17 @@ class PlannerService:
     def _emit_slot_assignments(self, unit: BarrierUnit) -> None:
         evicted = {op.slot: op.model_id for op in unit.ops if isinstance(op, PageOut)}
         for op in unit.ops:
-            if isinstance(op, (InitSlot, PageIn)):
+            if isinstance(op, (InitSlot, PageIn, AdoptSlot)):
+                reason = {InitSlot: "create", PageIn: "page_in", AdoptSlot: "takeover"}[type(op)]
                 self.bus.emit_soon(
                     SlotAssigned(
                         model_id=op.model_id,
                         slot=op.slot,
-                        reason="create" if isinstance(op, InitSlot) else "page_in",
+                        reason=reason,
                         evicted=evicted.get(op.slot, ""),
                         group=unit.group,
-                        moved=isinstance(op, PageIn) and bool(op.source),
+                        moved=isinstance(op, AdoptSlot) or (isinstance(op, PageIn) and bool(op.source)),
+                        from_group=op.from_group if isinstance(op, AdoptSlot) else "",
                         at_ns=now_ns(),
                     )
                 )

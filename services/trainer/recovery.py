@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from infra.bus import Bus, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts.work import Unit
+from libs.contracts.work import AdoptSlot, BarrierUnit, Unit
 from services.trainer import snapshots
 from services.trainer.execute import Executor
 
@@ -31,6 +31,7 @@ class Recovered:
     """Where replay left the group: which units are done, and the last work sequence applied."""
 
     completed: set[str] = field(default_factory=set)
+    abandoned: set[str] = field(default_factory=set)  # units of this group another group took over
     base_seq: int = 0  # the snapshot's work sequence (0: none)
     last_work_seq: int = 0
     replayed: int = 0
@@ -71,6 +72,17 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
 
     work_last = await last_seq(bus, s.STREAM_WORK)
     await replay(bus, s.STREAM_WORK, s.work_subject(group), work_last, on_unit, from_seq=state.base_seq + 1)
+
+    def on_any_unit(msg: Msg) -> None:
+        unit = codec.unit_decoder.decode(msg.data)
+        if isinstance(unit, BarrierUnit):
+            for op in unit.ops:
+                if isinstance(op, AdoptSlot) and op.from_group == group:
+                    state.abandoned.update(op.abandoned)
+
+    # Takeovers of this group's models (while it was lost) come after its snapshot: the units
+    # they abandoned are skipped from now on (services/trainer/adoption.py).
+    await replay(bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_any_unit, from_seq=state.base_seq + 1)
     for seq, unit in units:
         await asyncio.to_thread(executor.execute, unit, True)
         state.last_work_seq = seq
