@@ -25,6 +25,7 @@ differ and the rebuilt state agrees with the one the lost group held within fp32
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -188,6 +189,7 @@ def rebuild(executor: Executor, unit_id: str, op: AdoptSlot, source: Source) -> 
     Raises:
         AdoptionError: no state of the model was found (and it is not `fresh`).
     """
+    started = time.perf_counter()
     work = Rebuild(executor, op)
     try:
         if source.snapshot is not None:
@@ -210,10 +212,11 @@ def rebuild(executor: Executor, unit_id: str, op: AdoptSlot, source: Source) -> 
     state = paging.capture(executor.engine, op.slot, op.model_id)
     paging.write_durably(adopted_path(executor.data_dir, op.model_id, unit_id), paging.encode(state))
     log.info(
-        "adopted %s from lost group %s into slot %d (snapshot %s, %d later units)",
+        "adopted %s from lost group %s into slot %d in %.0f ms (snapshot %s, %d later units of that group)",
         op.model_id,
         op.from_group,
         op.slot,
+        (time.perf_counter() - started) * 1000,
         source.snapshot.name if source.snapshot else "none",
         len(source.units),
     )

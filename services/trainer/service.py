@@ -166,8 +166,15 @@ class TrainerService:
             return
         for op in unit.ops:
             if isinstance(op, AdoptSlot) and op.from_group not in self.executor.adoptions:
-                self.executor.adoptions[op.from_group] = await adoption.gather(
-                    self.bus, self.data_dir, op.from_group, op.abandoned
+                started = time.perf_counter()
+                source = await adoption.gather(self.bus, self.data_dir, op.from_group, op.abandoned)
+                self.executor.adoptions[op.from_group] = source
+                log.info(
+                    "taking over from lost group %s: read its streams in %.0f ms (snapshot %s, %d units after it)",
+                    op.from_group,
+                    (time.perf_counter() - started) * 1000,
+                    source.snapshot.name if source.snapshot else "none",
+                    len(source.units),
                 )
 
     async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PublishCommand]]:
