@@ -115,7 +115,9 @@ def main() -> None:
                 assert clock.live[group].wait(60), f"group {group} never reported"
             service = tinker.ServiceClient(base_url=stack.base_url, api_key="tml-bench-takeover")
             clients = [service.create_lora_training_client(base_model="tiny-qwen3", rank=8, seed=s) for s in (1, 2, 3)]
-            t1, _other, t2 = clients  # creates alternate: t1 and t2 on one group, the other on the other
+            placed = records(stack)
+            shared = next(g for g in GROUPS if sum(placed[str(c.model_id)] == g for c in clients) == 2)
+            t1, t2 = (c for c in clients if placed[str(c.model_id)] == shared)  # the two on one group
             counter = [0]
 
             def step(training: Any) -> None:
