@@ -341,6 +341,16 @@ class PlannerService:
             tokens = 0
         if isinstance(unit, BarrierUnit):
             self._emit_slot_assignments(unit)
+            adopts = [op for op in unit.ops if isinstance(op, AdoptSlot)]
+            if adopts:
+                log.warning(
+                    "taking over %s from lost trainer group %s on group %s (unit %s; abandoned units: %s)",
+                    ", ".join(op.model_id for op in adopts),
+                    adopts[0].from_group,
+                    unit.group,
+                    unit.unit_id,
+                    ", ".join(adopts[0].abandoned) or "none",
+                )
         self.bus.emit_soon(
             UnitPlanned(
                 unit_id=unit.unit_id,
