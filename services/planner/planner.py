@@ -33,7 +33,9 @@ Rules (see docs/semantics.md):
   `_placement`) and every unit names its group. With more than one group for a base, each
   page-out also exports the state to a file under the data directory, so the model may page in
   on another group (a free slot there before a page-out at home); a group whose trainer stopped
-  reporting is not placed on, and its models whose state is exported move to live groups.
+  reporting is not placed on, its models whose state is exported move to live groups, and its
+  resident models with work are taken over by a live group (`_takeover_unit`: a unit of
+  `AdoptSlot` ops that names the lost group's units it abandons, so a replay needs no clock).
 - Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
   whatever it can no longer run.
 """

@@ -4,6 +4,9 @@ Slot state is a fold over the group's work stream: the newest internal snapshot 
 under the data directory, ``snapshots.py``) covers the units up to its work sequence; every
 later unit that already has an outcome is re-executed without emitting anything. CPU fp32 is
 deterministic, so the adapters, optimizer moments and pending gradients come back exactly.
+Recovery also collects the units another group's takeover abandoned (`AdoptSlot.abandoned` of
+units on any group's work subject, `from_group` this one): the service skips them when they are
+redelivered (services/trainer/adoption.py).
 """
 
 from __future__ import annotations
