@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from libs.contracts.events import SlotAssigned
 from libs.contracts.records import ModelQueueRecord
 from libs.contracts.work import AdoptSlot, BarrierUnit, Unit, WorkUnit
 from libs.faults import fired
+from services.trainer import snapshots
 from tests.faults.workload import exactly_once
 from tests.harness import Stack
 from tests.integration.test_training_semantics import BASE, Reference, batch, logprobs
@@ -156,7 +158,8 @@ def test_a_dead_groups_tenants_are_taken_over_and_train_on_within_fp32_of_a_faul
     """Tenants t1, t2 live on group a (t0 on b). a's 7th unit (t1's second forward_backward)
     wedges; t2's second forward_backward queues behind it; then a is killed -9 and held down.
     Once the planner marks a lost, one takeover unit on b adopts both (AdoptSlot from a, naming
-    the wedged unit as abandoned; t0 is paged out to make room), and every later call of t1 and
+    the wedged unit as abandoned; t0 is paged out to make room; b rebuilds both from a's snapshot
+    of before the wedged unit and the units after it), and every later call of t1 and
     t2 is run by b. Their step losses and final probe logprobs agree with the same seeded calls
     on fresh models that never moved within twice the fp32 bound; no result, unit or outcome is
     doubled and the wedged unit never gets an outcome. Then a comes back: it skips the abandoned
@@ -168,6 +171,12 @@ def test_a_dead_groups_tenants_are_taken_over_and_train_on_within_fp32_of_a_faul
     stack.listeners.append(
         lambda service, line: lost.set() if service == "planner" and "trainer group a " in line and "LOST" in line else None
     )
+    adopted: list[str] = []  # b's "adopted <model> from lost group a ..." lines
+    stack.listeners.append(
+        lambda service, line: adopted.append(line)
+        if service == "trainer@b" and "from lost group a" in line and "adopted " in line
+        else None
+    )
     t1 = Tenant(stack, SEEDS[0], vocab, "tml-takeover-1")
     t0 = Tenant(stack, 5, vocab, "tml-takeover-0")
     t2 = Tenant(stack, SEEDS[1], vocab, "tml-takeover-2")
@@ -178,12 +187,16 @@ def test_a_dead_groups_tenants_are_taken_over_and_train_on_within_fp32_of_a_faul
     t0.step(0)
 
     stack.supervisor.hold("trainer@a")  # type: ignore[union-attr]  # killed below: it stays down
-    second = [threading.Thread(target=t.step, args=(1,)) for t in (t1, t2)]
+    second = [threading.Thread(target=t.step, args=(1,), daemon=True) for t in (t1, t2)]
     second[0].start()
     fault_dir = Path(stack.data_dir) / "faults"
     while not fired(HANG, fault_dir):  # a wedged: t1's forward_backward is in flight there
         threading.Event().wait(0.05)
     second[1].start()
+    deadline = time.monotonic() + 60
+    while not snapshots.complete(Path(stack.data_dir), "a"):  # its snapshot after two steps, on disk
+        assert time.monotonic() < deadline, "group a never completed its snapshot"
+        threading.Event().wait(0.05)
     stack.stop_service("trainer@a")
     assert lost.wait(60), "the planner never marked group a lost"
     for thread in second:
@@ -199,6 +212,8 @@ def test_a_dead_groups_tenants_are_taken_over_and_train_on_within_fp32_of_a_faul
     assert {op.from_group for op in adoptions} == {"a"}
     (abandoned,) = {tuple(op.abandoned) for op in adoptions}
     assert len(abandoned) == 1 and abandoned[0] not in streams.outcomes
+    # rebuilt from a's snapshot (taken before the abandoned unit) and the units after it
+    assert len(adopted) == 2 and all("(snapshot 0" in line for line in adopted), adopted
     takeovers = [e for e in streams.assigned if e.reason == "takeover"]
     assert sorted((e.model_id, e.group, e.from_group) for e in takeovers) == sorted(
         [(t1.model_id, "b", "a"), (t2.model_id, "b", "a")]
