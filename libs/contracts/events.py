@@ -63,13 +63,15 @@ class CheckpointPublished(Envelope, tag="checkpoint_published", kw_only=True, fr
 
 
 class SlotAssigned(Envelope, tag="slot_assigned", kw_only=True, frozen=True):
-    """The planner gave a model an adapter slot: on create, or to page it back in."""
+    """The planner gave a model an adapter slot: on create, to page it back in, or to take it
+    over from a lost trainer group."""
 
     slot: int
-    reason: str  # "create" | "page_in"
+    reason: str  # "create" | "page_in" | "takeover"
     evicted: str = ""  # the idle model paged out to free the slot, if any
     group: str = "default"  # the trainer group the slot belongs to: where the model is placed
-    moved: bool = False  # a page_in from another group's export: the model moved between groups
+    moved: bool = False  # the model moved between groups (a page_in from an export, or a takeover)
+    from_group: str = ""  # a takeover: the lost group whose files its state is rebuilt from
 
 
 class ModelPagedOut(Envelope, tag="model_paged_out", kw_only=True, frozen=True):

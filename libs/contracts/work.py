@@ -123,6 +123,24 @@ class PageIn(msgspec.Struct, tag="page_in", kw_only=True, frozen=True):
     source: str = ""
 
 
+class AdoptSlot(msgspec.Struct, tag="adopt_slot", kw_only=True, frozen=True):
+    """Take over a model of the lost trainer group `from_group`: rebuild its training state in
+    `slot` from that group's durable data alone (its newest complete snapshot, then a
+    re-execution of the model's part of every later unit of that group that has an outcome and
+    is not in `abandoned`). `abandoned` lists every unit of `from_group` the planner had emitted
+    without folding its outcome when it decided the takeover: none of them counts (their work
+    is planned again); the lost group skips them when it comes back. `fresh`: the model's create
+    had not completed, so it may have no state there (the slot then stays empty for the create
+    that follows in the same unit). `request_id` is `ids.page_request_id`."""
+
+    model_id: str
+    request_id: str
+    slot: int
+    from_group: str
+    abandoned: list[str] = []
+    fresh: bool = False
+
+
 class DropPaged(msgspec.Struct, tag="drop_paged", kw_only=True, frozen=True):
     """Forget a paged-out model's state (its unload, while it holds no slot)."""
 
@@ -149,6 +167,7 @@ SlotOp = (
     | ReleaseSlot
     | PageOut
     | PageIn
+    | AdoptSlot
     | DropPaged
     | FailRequest
 )

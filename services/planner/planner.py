@@ -33,7 +33,9 @@ Rules (see docs/semantics.md):
   `_placement`) and every unit names its group. With more than one group for a base, each
   page-out also exports the state to a file under the data directory, so the model may page in
   on another group (a free slot there before a page-out at home); a group whose trainer stopped
-  reporting is not placed on, and its models whose state is exported move to live groups.
+  reporting is not placed on, its models whose state is exported move to live groups, and its
+  resident models with work are taken over by a live group (`_takeover_unit`: a unit of
+  `AdoptSlot` ops that names the lost group's units it abandons, so a replay needs no clock).
 - Every sequenced request completes exactly once: a closed model (failed create, unloaded) fails
   whatever it can no longer run.
 """
@@ -68,6 +70,7 @@ from libs.contracts.results import (
     UnloadModelResponse,
 )
 from libs.contracts.work import (
+    AdoptSlot,
     BarrierUnit,
     DiscardSlot,
     DropPaged,
@@ -153,6 +156,7 @@ class PlannerState:
     units_emitted: int = 0
     inflight: dict[str, list[Member]] = field(default_factory=dict)  # emitted, outcome not folded
     inflight_group: dict[str, str] = field(default_factory=dict)  # unit_id -> its group, likewise
+    inflight_ops: dict[str, list[SlotOp]] = field(default_factory=dict)  # barrier unit_id -> its ops, likewise
 
 
 class Planner:
@@ -216,24 +220,48 @@ class Planner:
                     if pending is not None:
                         pending.issued = max(pending.issued, item.index + 1)
             case BarrierUnit(ops=ops):
+                reissued = self._abandon(ops)
                 state.inflight[unit.unit_id] = [(op.model_id, op.request_id, -1) for op in ops]
+                state.inflight_ops[unit.unit_id] = list(ops)
                 for op in ops:
                     self._stream(op.model_id)
                     pending = self._find(op.model_id, op.request_id)
                     if pending is not None:
                         pending.barrier_issued = True
-                    self._apply_barrier_side_effects(op, unit.group)
+                    if isinstance(op, AdoptSlot) or (op.model_id, op.request_id) not in reissued:
+                        self._apply_barrier_side_effects(op, unit.group)
         return True
+
+    def _abandon(self, ops: list[SlotOp]) -> set[tuple[str, str]]:
+        """A takeover's units (`AdoptSlot.abandoned`) stop counting: their outcomes, if any come,
+        are ignored; their datums go back to the queue to be planned again; their barrier ops are
+        re-issued in the takeover unit itself (returned: their side effects happened already)."""
+        reissued: set[tuple[str, str]] = set()
+        state = self.state
+        for unit_id in dict.fromkeys(u for op in ops if isinstance(op, AdoptSlot) for u in op.abandoned):
+            members = state.inflight.pop(unit_id, None)
+            state.inflight_group.pop(unit_id, None)
+            state.inflight_ops.pop(unit_id, None)
+            for model_id, request_id, index in members or []:
+                if index < 0:
+                    reissued.add((model_id, request_id))
+                    continue
+                pending = self._find(model_id, request_id)
+                if pending is not None:
+                    pending.issued = min(pending.issued, index)
+        return reissued
 
     def _apply_outcome(self, outcome: Outcome) -> bool:
         members = self.state.inflight.pop(outcome.unit_id, None)
         self.state.inflight_group.pop(outcome.unit_id, None)
+        ops = self.state.inflight_ops.pop(outcome.unit_id, None) or []
         if members is None:
-            return False  # a redelivery of an outcome already folded
+            return False  # a redelivery of an outcome already folded, or of an abandoned unit
         match outcome:
             case WorkOutcome():
                 self._fold_work(outcome, members)
             case BarrierOutcome():
+                self._fold_adoptions(outcome, ops)
                 self._fold_barrier(outcome, members)
         return True
 
@@ -294,12 +322,20 @@ class Planner:
         best_barrier: tuple[ModelStream, Pending] | None = None
         best_arrival: int | None = None
         waiting: list[tuple[int, ModelStream, Pending]] = []
+        lost: dict[str, None] = {}  # lost groups with a resident model that has work
+        busy: set[str] | None = None
         for stream in self._active_streams():
             if stream.closed:
                 continue
             head = stream.oldest_runnable()
-            if head is None or self._on_lost_group(stream):
-                continue  # a resident model of a lost group waits for it (its state is there)
+            if self._on_lost_group(stream):
+                if busy is None:
+                    busy = self._busy_models()
+                if head is not None or stream.model_id in busy:
+                    lost[stream.group] = None  # taken over by a live group (`_takeover_unit`)
+                continue
+            if head is None:
+                continue
             if self._needs_slot(stream, head):
                 waiting.append((head.arrival, stream, head))
                 continue
@@ -312,6 +348,10 @@ class Planner:
                 best_rows, best_barrier = (stream, head), None
             else:
                 best_rows, best_barrier = None, (stream, head)
+        for group in sorted(lost):
+            takeover = self._takeover_unit(group, full)
+            if takeover is not None:
+                return takeover
         unit = self._placing_unit(waiting, best_arrival, full)
         if unit is not None:
             return unit
@@ -389,7 +429,13 @@ class Planner:
         for stream in self._active_streams():
             head = None if stream.closed else stream.oldest_runnable()
             if head is not None and self._on_lost_group(stream):
-                waiting[head.command.request_id] = WAIT_GROUP
+                if self._takeover_unit(stream.group, set()) is None:
+                    base = stream.base_model
+                    others = any(
+                        g != stream.group and info.live and info.base_model in ("", base)
+                        for g, info in self.groups.items()
+                    )
+                    waiting[head.command.request_id] = WAIT_SLOTS if others else WAIT_GROUP
                 continue
             if head is None or not self._needs_slot(stream, head):
                 continue
@@ -430,10 +476,94 @@ class Planner:
         return [*([home] if home in live else []), *(g for g in by_load if g != home)]
 
     def _on_lost_group(self, stream: ModelStream) -> bool:
-        """Resident on a group whose trainers stopped reporting: nothing is emitted for it until
-        the group is back (then its trainer has recovered the model's state exactly)."""
+        """Resident on a group whose trainers stopped reporting: nothing more is emitted for it
+        there; once it has work, it is taken over by a live group (`_takeover_unit`)."""
         info = self.groups.get(stream.group) if stream.slot is not None else None
         return info is not None and not info.live
+
+    def _takeover_unit(self, lost: str, full: set[str]) -> BarrierUnit | None:
+        """Move the resident models of the lost group `lost` that have work (queued, or in one of
+        its units still awaiting an outcome) to one live group of the same base model.
+
+        Every unit of `lost` still in flight is abandoned (named in each `AdoptSlot`), so every
+        model with a member in one of them moves in this unit too: the lost group, when it is
+        back, skips those units whole. The unit: page-outs of the new group's victims, one
+        `AdoptSlot` per model that stays open, then the abandoned units' barrier ops again
+        (retargeted at the new slots); the abandoned datums go back to the queue."""
+        state = self.state
+        abandoned = sorted((u for u, g in state.inflight_group.items() if g == lost), key=unit_number)
+        busy = self._busy_models()
+        moving = {
+            s.model_id
+            for s in self._active_streams()
+            if s.slot is not None and s.group == lost and (s.oldest_runnable() is not None or s.model_id in busy)
+        }
+        for unit_id in abandoned:
+            moving |= {m for m, _, _ in state.inflight[unit_id]}
+        streams = [state.streams[m] for m in sorted(moving)]
+        adopters = [s for s in streams if not s.closed]
+        base = self.groups[lost].base_model
+        live = [
+            g for g, info in self.groups.items()
+            if g != lost and info.live and info.base_model in ("", base) and g not in full
+        ]
+        for group in sorted(live, key=lambda g: (self._load(g), g)):
+            held = state.slots.get(group, {})
+            free = [slot for slot in range(self.groups[group].num_slots) if slot not in held]
+            victims: list[ModelStream] = []
+            if len(free) < len(adopters):
+                resident = (state.streams[m] for m in held.values())
+                candidates = sorted(
+                    (s for s in resident if s.model_id not in busy and s.model_id not in moving and s.created),
+                    key=self._victim_key,
+                )
+                victims = candidates[: len(adopters) - len(free)]
+                if len(free) + len(victims) < len(adopters):
+                    continue
+            return self._takeover_ops(lost, group, abandoned, adopters, free, victims)
+        return None
+
+    def _takeover_ops(
+        self,
+        lost: str,
+        group: str,
+        abandoned: list[str],
+        adopters: list[ModelStream],
+        free: list[int],
+        victims: list[ModelStream],
+    ) -> BarrierUnit:
+        unit_id = self._next_unit_id()
+        ops: list[SlotOp] = []
+        slots = [*free, *(v.slot for v in victims if v.slot is not None)][: len(adopters)]
+        for victim in victims:
+            assert victim.slot is not None
+            export = export_path(victim.model_id, unit_id) if self._exports(victim) else ""
+            ops.append(
+                PageOut(model_id=victim.model_id, request_id=page_request_id(victim.model_id), slot=victim.slot, export=export)
+            )
+        again = [op for u in abandoned for op in self.state.inflight_ops.get(u, [])]
+        # a model whose create or move onto the lost group was itself abandoned may have no state
+        # there: the InitSlot / PageIn run again after its AdoptSlot gives it one
+        placing = {op.model_id for op in again if isinstance(op, InitSlot) or (isinstance(op, PageIn) and op.source)}
+        new_slot = {}
+        for stream, slot in zip(adopters, sorted(slots), strict=True):
+            new_slot[stream.model_id] = slot
+            ops.append(
+                AdoptSlot(
+                    model_id=stream.model_id,
+                    request_id=page_request_id(stream.model_id),
+                    slot=slot,
+                    from_group=lost,
+                    abandoned=abandoned,
+                    fresh=not stream.created or stream.model_id in placing,
+                )
+            )
+        for op in again:
+            redo = _reissued(op, new_slot.get(op.model_id))
+            if redo is not None:
+                ops.append(redo)
+        traceparent = next((s.queue[0].command.traceparent for s in adopters if s.queue), "")
+        return BarrierUnit(unit_id=unit_id, group=group, ops=ops, traceparent=traceparent)
 
     def _group_of(self, stream: ModelStream) -> str:
         """The group that holds `stream`'s state; a model never placed (its create failed or never
@@ -614,6 +744,12 @@ class Planner:
             case InitSlot() | PageIn():
                 stream.slot, stream.paged, stream.group = op.slot, False, group
                 self.state.slots.setdefault(group, {})[op.slot] = op.model_id
+            case AdoptSlot(from_group=lost):
+                held = self.state.slots.get(lost, {})
+                if stream.slot is not None and held.get(stream.slot) == stream.model_id:
+                    del held[stream.slot]  # the lost group's slot is free for it when it is back
+                stream.slot, stream.paged, stream.group, stream.page_file = op.slot, False, group, ""
+                self.state.slots.setdefault(group, {})[op.slot] = op.model_id
             case PageOut():
                 self._free(stream)
                 stream.paged, stream.page_file = True, op.export
@@ -664,6 +800,22 @@ class Planner:
                 pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k)
                 if pending.trains:
                     stream.mark_dirty(pending.window)
+
+    def _fold_adoptions(self, outcome: BarrierOutcome, ops: list[SlotOp]) -> None:
+        """A model whose takeover failed (its state could not be rebuilt) is closed: what it has
+        queued fails, saying why."""
+        failed = {o.model_id: o for o in outcome.ops if not o.ok and o.request_id == page_request_id(o.model_id)}
+        for op in ops:
+            stream = self.state.streams.get(op.model_id)
+            if not isinstance(op, AdoptSlot) or stream is None or (got := failed.get(op.model_id)) is None:
+                continue
+            if stream.slot == op.slot:
+                self._free(stream)
+            stream.close(
+                f"lost its training state: trainer group {op.from_group} was lost and the state could "
+                f"not be rebuilt from its files ({got.error or 'failed'})"
+            )
+            self._active[stream.model_id] = None
 
     def _fold_barrier(self, outcome: BarrierOutcome, members: list[Member]) -> None:
         by_request: dict[str, OpOutcome] = {}
@@ -782,6 +934,31 @@ class Planner:
 
 WAIT_SLOTS = "slots"
 WAIT_GROUP = "group"
+
+
+def _reissued(op: SlotOp, slot: int | None) -> SlotOp | None:
+    """An abandoned barrier op, as the takeover unit runs it again on the model's new `slot`
+    (None: the model does not stay open). A page-out of it, or a page-in from the lost group's
+    own store, needs nothing more than the `AdoptSlot` (which rebuilds that state); a release
+    frees no slot there any more: the model's state is just dropped (`DropPaged`)."""
+    match op:
+        case PageOut() | AdoptSlot():
+            return None
+        case PageIn(source=""):
+            return None
+        case ReleaseSlot():
+            return DropPaged(model_id=op.model_id, request_id=op.request_id)
+        case DropPaged() | FailRequest():
+            return op
+        case _ if slot is None:
+            return FailRequest(
+                model_id=op.model_id,
+                request_id=op.request_id,
+                error=f"model {op.model_id} is closed; this request did not run",
+                category="server",
+            )
+        case _:
+            return msgspec.structs.replace(op, slot=slot)
 
 
 def export_path(model_id: str, unit_id: str) -> str:

@@ -32,7 +32,7 @@ from libs.contracts.events import RequestCompleted, RequestFailed, SlotAssigned,
 from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim, TrainerStatus
 from libs.contracts.requests import Rejected
 from libs.contracts.results import Failure, RequestResult
-from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
+from libs.contracts.work import AdoptSlot, BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from libs.faults import crash_point
 from services.planner import snapshot
 from services.planner.config import PlannerConfig
@@ -382,6 +382,16 @@ class PlannerService:
             tokens = 0
         if isinstance(unit, BarrierUnit):
             self._emit_slot_assignments(unit)
+            adopts = [op for op in unit.ops if isinstance(op, AdoptSlot)]
+            if adopts:
+                log.warning(
+                    "taking over %s from lost trainer group %s on group %s (unit %s; abandoned units: %s)",
+                    ", ".join(op.model_id for op in adopts),
+                    adopts[0].from_group,
+                    unit.group,
+                    unit.unit_id,
+                    ", ".join(adopts[0].abandoned) or "none",
+                )
         self.bus.emit_soon(
             UnitPlanned(
                 unit_id=unit.unit_id,
@@ -397,15 +407,17 @@ class PlannerService:
     def _emit_slot_assignments(self, unit: BarrierUnit) -> None:
         evicted = {op.slot: op.model_id for op in unit.ops if isinstance(op, PageOut)}
         for op in unit.ops:
-            if isinstance(op, (InitSlot, PageIn)):
+            if isinstance(op, (InitSlot, PageIn, AdoptSlot)):
+                reason = {InitSlot: "create", PageIn: "page_in", AdoptSlot: "takeover"}[type(op)]
                 self.bus.emit_soon(
                     SlotAssigned(
                         model_id=op.model_id,
                         slot=op.slot,
-                        reason="create" if isinstance(op, InitSlot) else "page_in",
+                        reason=reason,
                         evicted=evicted.get(op.slot, ""),
                         group=unit.group,
-                        moved=isinstance(op, PageIn) and bool(op.source),
+                        moved=isinstance(op, AdoptSlot) or (isinstance(op, PageIn) and bool(op.source)),
+                        from_group=op.from_group if isinstance(op, AdoptSlot) else "",
                         at_ns=now_ns(),
                     )
                 )

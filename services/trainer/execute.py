@@ -24,6 +24,7 @@ from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.work import (
+    AdoptSlot,
     BarrierUnit,
     DiscardSlot,
     DropPaged,
@@ -35,11 +36,13 @@ from libs.contracts.work import (
     PageOut,
     ReleaseSlot,
     SaveSlot,
+    SlotOp,
     StepSlot,
     Unit,
     WorkUnit,
 )
 from libs.faults import crash_point
+from services.trainer import adoption
 from services.trainer.checkpoint_files import StorageError, write_checkpoint
 from services.trainer.engine import DatumInput, DatumOutput, TrainerEngine
 from services.trainer.paging import Moved, PageStore
@@ -76,6 +79,8 @@ class Executor:
         self.pages = pages
         self.slot_models: dict[int, str] = {}
         self.events: list[OperationEvent] = []  # emitted by the service after the unit
+        # what a takeover unit reads, by lost group (adoption.gather, set by the service first)
+        self.adoptions: dict[str, adoption.Source] = {}
 
     def execute(self, unit: Unit, replaying: bool) -> tuple[Outcome, list[PublishCommand]]:
         started = now_ns()
@@ -129,6 +134,13 @@ class Executor:
     ) -> tuple[BarrierOutcome, list[PublishCommand]]:
         outcomes: list[OpOutcome] = []
         publishes: list[PublishCommand] = []
+        # A takeover unit first pages out its victims and adopts its models (in order): the steps
+        # it runs again need the adopted state.
+        adopts = [i for i, op in enumerate(unit.ops) if isinstance(op, AdoptSlot)]
+        first = unit.ops[: adopts[-1] + 1] if adopts else []
+        for op in first:
+            outcome, publish = self._guarded(unit, op, replaying)
+            outcomes.append(outcome)
         steps = [op for op in unit.ops if isinstance(op, StepSlot)]
         if steps:
             try:
@@ -149,29 +161,34 @@ class Executor:
                     )
                     for step in steps
                 ]
-        for op in unit.ops:
+        for op in unit.ops[len(first) :]:
             if isinstance(op, StepSlot):
                 continue
-            try:
-                outcome, publish = self._op(unit, op, replaying)
-            except Exception as exc:
-                log.exception("op %s of unit %s failed", type(op).__name__, unit.unit_id)
-                outcome, publish = (
-                    OpOutcome(
-                        model_id=op.model_id,
-                        request_id=op.request_id,
-                        ok=False,
-                        error=str(exc) if isinstance(exc, (UserError, StorageError)) else f"{type(exc).__name__}: {exc}",
-                        category="user" if isinstance(exc, UserError) else "server",
-                    ),
-                    None,
-                )
+            outcome, publish = self._guarded(unit, op, replaying)
             outcomes.append(outcome)
             if publish is not None:
                 publishes.append(publish)
         return BarrierOutcome(
             unit_id=unit.unit_id, ops=outcomes, started_ns=started, finished_ns=now_ns()
         ), publishes
+
+    def _guarded(self, unit: BarrierUnit, op: SlotOp, replaying: bool) -> tuple[OpOutcome, PublishCommand | None]:
+        """One op; what it raises becomes its failed outcome (the unit's other ops still run)."""
+        try:
+            return self._op(unit, op, replaying)
+        except Exception as exc:
+            log.exception("op %s of unit %s failed", type(op).__name__, unit.unit_id)
+            clear = isinstance(exc, (UserError, StorageError, adoption.AdoptionError))
+            return (
+                OpOutcome(
+                    model_id=op.model_id,
+                    request_id=op.request_id,
+                    ok=False,
+                    error=str(exc) if clear else f"{type(exc).__name__}: {exc}",
+                    category="user" if isinstance(exc, UserError) else "server",
+                ),
+                None,
+            )
 
     def _steps(self, steps: list[StepSlot]) -> list[OpOutcome]:
         reports = self.engine.optim_step({op.slot: op.adam for op in steps})
@@ -231,6 +248,17 @@ class Executor:
                     moved = self.pages.page_in(self.engine, op.slot, op.model_id)
                 self.slot_models[op.slot] = op.model_id
                 self._moved(ModelPagedIn, op, moved)
+            case AdoptSlot():
+                if replaying:
+                    adoption.replay_adoption(self, unit.unit_id, op)
+                else:
+                    adoption.rebuild(self, unit.unit_id, op, self.adoptions[op.from_group])
+                self.pages.drop(op.model_id)  # a stale copy from an earlier stay here
+                if op.slot in self.engine.pool.configs:
+                    self.slot_models[op.slot] = op.model_id
+                return OpOutcome(
+                    model_id=op.model_id, request_id=op.request_id, ok=True, info={"adopted_from": op.from_group}
+                ), None
             case DropPaged():
                 self.pages.drop(op.model_id)
             case DiscardSlot(reason=reason):

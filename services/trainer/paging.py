@@ -200,6 +200,11 @@ class PageStore:
         return spilled
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """Write a state file whole or not at all, and fsync it (another group may read it next)."""
+    _write(path, data, sync=True)
+
+
 def _write(path: Path, data: bytes, sync: bool = False) -> None:
     """Written whole or not at all. A cache file needs no fsync (a crash loses nothing it needs);
     an export (``sync``) does: another group reads it after this one acknowledged the page-out."""

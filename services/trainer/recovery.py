@@ -4,6 +4,9 @@ Slot state is a fold over the group's work stream: the newest internal snapshot 
 under the data directory, ``snapshots.py``) covers the units up to its work sequence; every
 later unit that already has an outcome is re-executed without emitting anything. CPU fp32 is
 deterministic, so the adapters, optimizer moments and pending gradients come back exactly.
+Recovery also collects the units another group's takeover abandoned (`AdoptSlot.abandoned` of
+units on any group's work subject, `from_group` this one): the service skips them when they are
+redelivered (services/trainer/adoption.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from nats.aio.msg import Msg
 from infra.bus import Bus, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts.work import Unit
+from libs.contracts.work import AdoptSlot, BarrierUnit, Unit
 from services.trainer import snapshots
 from services.trainer.execute import Executor
 
@@ -31,6 +34,7 @@ class Recovered:
     """Where replay left the group: which units are done, and the last work sequence applied."""
 
     completed: set[str] = field(default_factory=set)
+    abandoned: set[str] = field(default_factory=set)  # units of this group another group took over
     base_seq: int = 0  # the snapshot's work sequence (0: none)
     last_work_seq: int = 0
     replayed: int = 0
@@ -71,6 +75,17 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
 
     work_last = await last_seq(bus, s.STREAM_WORK)
     await replay(bus, s.STREAM_WORK, s.work_subject(group), work_last, on_unit, from_seq=state.base_seq + 1)
+
+    def on_any_unit(msg: Msg) -> None:
+        unit = codec.unit_decoder.decode(msg.data)
+        if isinstance(unit, BarrierUnit):
+            for op in unit.ops:
+                if isinstance(op, AdoptSlot) and op.from_group == group:
+                    state.abandoned.update(op.abandoned)
+
+    # Takeovers of this group's models (while it was lost) come after its snapshot: the units
+    # they abandoned are skipped from now on (services/trainer/adoption.py).
+    await replay(bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_any_unit, from_seq=state.base_seq + 1)
     for seq, unit in units:
         await asyncio.to_thread(executor.execute, unit, True)
         state.last_work_seq = seq

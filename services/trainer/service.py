@@ -34,10 +34,10 @@ from libs.contracts.events import ServiceEvent, UnitFinished, UnitStarted
 from libs.contracts.outcomes import Outcome, WorkOutcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.records import TrainerStatus
-from libs.contracts.work import BarrierUnit, StepSlot, Unit
+from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit
 from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
-from services.trainer import group
+from services.trainer import adoption, group
 from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
@@ -61,6 +61,7 @@ class TrainerService:
         self.executor = Executor(engine, base_model, self.data_dir, pages)
         self.trainer_id = config.trainer_id or f"{config.group}-{socket.gethostname()}-{os.getpid()}"
         self.completed: set[str] = set()
+        self.abandoned: set[str] = set()  # this group's units another group took over (skipped)
         self.last_work_seq = 0
         self.steps_since_snapshot = 0
         self.last_snapshot_at = time.monotonic()
@@ -80,6 +81,7 @@ class TrainerService:
         """Rebuild every slot (see recovery.py); returns how many units were re-executed."""
         state = await recover(self.bus, self.executor, self.config.group, self.data_dir)
         self.completed = state.completed
+        self.abandoned = state.abandoned
         self.snapshot_work_seq, self.last_work_seq = state.base_seq, state.last_work_seq
         return state.replayed
 
@@ -108,6 +110,14 @@ class TrainerService:
                 await msg.ack()  # redelivered after its outcome was published: no second effect
                 self.last_work_seq = max(self.last_work_seq, seq)
                 continue
+            if unit.unit_id in self.abandoned:
+                # Taken over by another group while this one was lost: its work was planned again
+                # there, so running it here would do it twice (a save: publish it twice).
+                log.info("unit %s was abandoned when this group was lost; skipping it", unit.unit_id)
+                await msg.ack()
+                self.last_work_seq = max(self.last_work_seq, seq)
+                continue
+            await self._gather_adoptions(unit)
             self.bus.emit_soon(UnitStarted(unit_id=unit.unit_id, trainer=self.trainer_id, at_ns=now_ns()))
             started = now_ns()
             if unit.at_ns and (waited_ms := (started - unit.at_ns) / 1e6) >= 50:
@@ -153,6 +163,24 @@ class TrainerService:
                     at_ns=now_ns(),
                 )
             )
+
+    async def _gather_adoptions(self, unit: Unit) -> None:
+        """Before a takeover unit: read what each lost group's files and streams say (adoption.py)."""
+        self.executor.adoptions = {}
+        if not isinstance(unit, BarrierUnit):
+            return
+        for op in unit.ops:
+            if isinstance(op, AdoptSlot) and op.from_group not in self.executor.adoptions:
+                started = time.perf_counter()
+                source = await adoption.gather(self.bus, self.data_dir, op.from_group, op.abandoned)
+                self.executor.adoptions[op.from_group] = source
+                log.info(
+                    "taking over from lost group %s: read its streams in %.0f ms (snapshot %s, %d units after it)",
+                    op.from_group,
+                    (time.perf_counter() - started) * 1000,
+                    source.snapshot.name if source.snapshot else "none",
+                    len(source.units),
+                )
 
     async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PublishCommand]]:
         """Execute in a worker thread; a unit that outlives `unit_timeout_s` ends the process.

@@ -230,3 +230,33 @@ def restore(engine: TrainerEngine, store: paging.PageStore, directory: Path) -> 
     for model_id in index.paged:
         store.adopt(model_id, directory / _paged_file(model_id))
     return index.work_seq, dict(index.slots)
+
+
+def complete(data_dir: Path, group: str) -> list[Path]:
+    """The group's complete snapshots, oldest first (read side: another group may read them)."""
+    base = root(data_dir, group)
+    if not base.exists():
+        return []
+    return sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / INDEX).exists())
+
+
+def read_index(directory: Path) -> SnapshotIndex:
+    """A snapshot's index (which model is in which slot file, which are paged)."""
+    return msgspec.json.decode((directory / INDEX).read_bytes(), type=SnapshotIndex)
+
+
+def model_state(directory: Path, model_id: str) -> tuple[paging.PagedState | None, bool]:
+    """One model's complete training state as the snapshot holds it (None if it holds none), and
+    whether it was resident (in a slot) rather than paged out."""
+    index = read_index(directory)
+    if index.format_version != FORMAT_VERSION:
+        raise msgspec.ValidationError(
+            f"snapshot {directory.name} holds format-{index.format_version} adapters; this trainer "
+            f"reads format {FORMAT_VERSION}"
+        )
+    for slot, held in index.slots.items():
+        if held == model_id:
+            return paging.decode(directory / f"slot-{slot}.safetensors"), True
+    if model_id in index.paged:
+        return paging.decode(directory / _paged_file(model_id)), False
+    return None, False

@@ -184,8 +184,9 @@ def test_two_base_models_train_at_once_each_on_its_own_group_and_an_unknown_base
     """Capabilities list both base models; a tiny-qwen3 and a tiny-qwen3-narrow model train at
     once, each placed on a group of its base (its shape differs: the losses differ too); an unknown
     base is a 400 naming base_model; with the narrow group held down and marked lost, a create for
-    it waits (try_again, queue_state paused_capacity, a reason naming the base). (That the wait
-    ends when the group is back is the lost-group path of test_groups.py.)"""
+    it waits (try_again, queue_state paused_capacity, a reason naming the base). (A lost group's
+    resident models are taken over by another group of their base: test_groups.py and
+    test_takeover.py.)"""
     with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-groups-bases") as client:
         rest = tinker.RestClient(base_url=stack.base_url, api_key="tml-groups-bases")
         capabilities = rest.get_server_capabilities().result()

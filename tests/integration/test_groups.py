@@ -1,7 +1,8 @@
 """Two trainer groups (one adapter slot each) behind one planner: models are placed across both,
 a model moves between groups through an exported page-out without changing its numbers, and a
-group killed -9 and held down is not placed on while its resident models wait for it and then
-continue exactly. (Two base models at once: test_base_models.py.)"""
+group killed -9 and held down is not placed on while its resident model is taken over by the
+other group and continues exactly (more tenants, mid-unit: test_takeover.py). (Two base models
+at once: test_base_models.py.)"""
 
 from __future__ import annotations
 
@@ -187,13 +188,16 @@ def test_four_tenants_at_once_are_spread_over_both_groups_and_all_finish(stack: 
     assert created_on == set(GROUPS)
 
 
-def test_a_group_killed_and_held_down_is_not_placed_on_and_its_models_continue_when_it_returns(
+def test_a_group_killed_and_held_down_is_not_placed_on_and_its_resident_model_is_taken_over(
     stack: Stack,
 ) -> None:
     """kill -9 of the group holding model p, kept down: once the planner marks it lost, a new model
-    is created and trains on the live group; p's next step waits and completes after the group is
-    back (recovered from its snapshot and work stream): p's numbers equal the same seeded run
-    alone, so nothing was lost or applied twice."""
+    is created and trains on the live group; p's next step is taken over by the live group (a
+    slot_assigned `takeover` from the dead group; the idle newcomer is paged out to make room)
+    and completes while the dead group is still down. The group comes back and p trains one more
+    step, still on the live group. p's numbers equal the same seeded run alone bit for bit: with
+    one slot per group its datums were never packed with another tenant's, so the rebuild re-ran
+    the very same units, and nothing was lost or applied twice."""
     lost = threading.Event()
     with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-groups-victim") as client:
         p = Run(client, seed=21)
@@ -208,14 +212,14 @@ def test_a_group_killed_and_held_down_is_not_placed_on_and_its_models_continue_w
         newcomer = Run(client, seed=22)
         newcomer.step()
         assert group_of(stack, newcomer.model_id) == live
-        waiting = threading.Thread(target=p.step)
-        waiting.start()
+        p.step()
+        assert group_of(stack, p.model_id) == live
+        takeovers = [e for e in assignments(stack, p.model_id) if e.reason == "takeover"]
+        assert [(e.group, e.from_group) for e in takeovers] == [(live, dead)]
         back = stack.start_service(f"trainer@{dead}")
         assert back.wait(240)
-        waiting.join(timeout=300)
-        assert not waiting.is_alive()
-        assert group_of(stack, p.model_id) == dead
+        p.step()
+        assert group_of(stack, p.model_id) == live
         survived = p.seen
-    _, alone = run_alone(stack, seed=21, steps=2)
+    _, alone = run_alone(stack, seed=21, steps=3)
     assert survived == alone
-
