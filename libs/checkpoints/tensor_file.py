@@ -68,11 +68,15 @@ class TensorFile:
         handle.write(self.header)
         half, written, called = len(self) // 2, 8 + len(self.header), False
         for tensor in self.tensors.values():
-            if tensor.numel():
-                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's own memory
-                written += tensor.numel() * tensor.element_size()
-            if not called and written >= half:
+            data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+            if not called and written + len(data) >= half:  # the tensor that crosses the middle
+                cut = max(0, half - written)
+                handle.write(data[:cut])
                 midway()
                 called = True
+                data = data[cut:]
+                written += cut
+            handle.write(data)  # the tensor's own memory
+            written += len(data)
         if not called:
             midway()

@@ -36,7 +36,7 @@ from services.trainer.losses import LOSS_FNS
 from services.trainer.model import build_model
 from services.trainer.optim import SlotAdamW, StepReport, zero_grads
 from services.trainer.packing import DatumInput, PackedBatch, pack
-from services.trainer.parallel import ensure_model_parallel, tp_all_gather
+from services.trainer.parallel import ensure_model_parallel, tp_all_gather, tp_rank
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
 from services.trainer.vocab import target_logprobs
@@ -249,13 +249,15 @@ class TrainerEngine:
         snapshot; pinned on CUDA), not tensors of their own."""
         self._require_slot(slot)
         host = self.snapshot_buffers if for_snapshot else None
-        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer, host)
+        follower = for_snapshot and tp_rank() != 0  # joins the gathers; only rank 0 keeps a copy
+        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer, host, follower)
 
     def get_slot_grads(self, slot: int, for_snapshot: bool = False) -> dict[str, torch.Tensor]:
         """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``
         (``for_snapshot``: as in ``get_slot_state``)."""
         self._require_slot(slot)
-        return slot_state.get_slot_grads(self.pool, slot, self.snapshot_buffers if for_snapshot else None)
+        host = self.snapshot_buffers if for_snapshot else None
+        return slot_state.get_slot_grads(self.pool, slot, host, for_snapshot and tp_rank() != 0)
 
     def set_slot_grads(self, slot: int, grads: dict[str, torch.Tensor], pending: bool) -> None:
         """Put back gradients captured by ``get_slot_grads`` (and whether they count as pending)."""

@@ -22,7 +22,8 @@ local target logit (0 where the target lies in another shard) are combined once 
 all-gather of the local log-sum-exps (a log-sum-exp over ranks) and one all-reduce SUM of the
 target logits.  ``dh`` and ``du`` from one shard are partial sums: the caller passes ``h`` and
 ``u`` through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward),
-exactly as the output layer and its LoRA do.
+exactly as the output layer and its LoRA do; ``lm_head_logprobs`` does so per segment, so the
+backward makes one all-reduce for ``h`` and one per segment with an lm_head LoRA.
 
 Isolation: a piece holds one slot's tokens only, ``dB_s`` sums over slot ``s``'s pieces only,
 and every other product is row-wise in tokens, so a tenant's non-finite values reach no other

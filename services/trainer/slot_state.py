@@ -97,10 +97,13 @@ def get_slot_state(
     slot: int,
     with_optimizer: bool = True,
     host: HostBuffers | None = None,
+    gather_only: bool = False,
 ) -> SlotState:
     """Gather ``slot``'s state over TP (a collective: every rank must call it). Without
     ``with_optimizer`` the moments are left out (empty; an export needs the adapter alone).
-    With ``host`` the tensors are copies in its buffers (complete on return), else new tensors."""
+    With ``host`` the tensors are copies in its buffers (complete on return), else new tensors.
+    ``gather_only``: join the gathers and copy nothing to the host (a TP follower, whose result
+    is discarded: only rank 0 writes snapshots); the tensors are left on the device."""
     if slot not in pool.configs:
         raise KeyError(f"slot {slot} is not initialised")
     adapter: dict[str, torch.Tensor] = {}
@@ -112,13 +115,15 @@ def get_slot_state(
             m, v = optimizer.moments(tensor)
             parts += [(exp_avg, m), (exp_avg_sq, v)]
         for table, local in parts:
-            if host is None:
+            if gather_only:
+                table[tensor.name] = _full(local.detach(), tensor.kind)
+            elif host is None:
                 table[tensor.name] = _host_copy(unshard(tp_all_gather(local.detach()), tensor.kind))
             else:
                 full = _full(local.detach(), tensor.kind)
                 label = "adapter" if table is adapter else "exp_avg" if table is exp_avg else "exp_avg_sq"
                 table[tensor.name] = host.copy(slot, label, tensor.name, full)
-    if host is not None:
+    if host is not None and not gather_only:
         host.wait()
     return SlotState(pool.configs[slot], optimizer.steps.get(slot, 0), adapter, exp_avg, exp_avg_sq)
 
@@ -155,18 +160,23 @@ def set_slot_state(
         optimizer.steps[slot] = state.step
 
 
-def get_slot_grads(pool: AdapterPool, slot: int, host: HostBuffers | None = None) -> dict[str, torch.Tensor]:
+def get_slot_grads(
+    pool: AdapterPool, slot: int, host: HostBuffers | None = None, gather_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The slot's accumulated gradients in the same full layout as ``SlotState.adapter``
-    (zeros where nothing accumulated yet); a collective like ``get_slot_state``. ``host``: as there."""
+    (zeros where nothing accumulated yet); a collective like ``get_slot_state``. ``host``,
+    ``gather_only``: as there."""
     grads: dict[str, torch.Tensor] = {}
     for tensor in pool.slot_tensors(slot):
         g = tensor.grad()
         local = torch.zeros_like(tensor.value()) if g is None else g
-        if host is None:
+        if gather_only:
+            grads[tensor.name] = _full(local.detach(), tensor.kind)
+        elif host is None:
             grads[tensor.name] = unshard(tp_all_gather(local.detach()), tensor.kind).cpu().clone()
         else:
             grads[tensor.name] = host.copy(slot, "grad", tensor.name, _full(local.detach(), tensor.kind))
-    if host is not None:
+    if host is not None and not gather_only:
         host.wait()
     return grads
 

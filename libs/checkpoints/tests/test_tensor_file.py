@@ -44,17 +44,27 @@ def test_safetensors_reads_back_every_tensor_bit_for_bit(tmp_path: Path) -> None
     assert path.stat().st_size == len(file)
 
 
-def test_the_fault_point_runs_once_midway() -> None:
-    """`midway` runs exactly once, after at least half of the file's bytes were written."""
-    big = {"x": torch.ones(1000), "y": torch.ones(1000), "z": torch.ones(10)}
-    file, out, seen = TensorFile(big), io.BytesIO(), []
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {"x": torch.ones(1000), "y": torch.ones(1000), "z": torch.ones(10)},
+        {"a": torch.ones(10), "big": torch.ones(100_000)},  # one tensor holds the middle byte
+    ],
+)
+def test_the_fault_point_runs_once_at_the_middle_byte(tensors: dict[str, torch.Tensor]) -> None:
+    """`midway` runs exactly once, when exactly half of the file's bytes are written, also when
+    one tensor spans the middle; the file is complete afterwards."""
+    file, out, seen = TensorFile(tensors), io.BytesIO(), []
     file.write_to(out, lambda: seen.append(out.tell()))
-    assert len(seen) == 1 and seen[0] >= len(file) // 2 and out.tell() == len(file)
+    assert seen == [len(file) // 2] and out.tell() == len(file)
 
 
 def test_a_device_or_dtype_it_cannot_write_is_refused() -> None:
-    with pytest.raises(ValueError, match="complex"):
+    """A dtype safetensors has no name for, and a tensor not on the host, are refused by name."""
+    with pytest.raises(ValueError, match=r"c: a torch\.complex64 tensor"):
         TensorFile({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match=r"m: .* on meta cannot be written"):
+        TensorFile({"m": torch.zeros(2, device="meta")})
 
 
 def test_write_dir_atomically_streams_a_tensor_file(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ def fused(engine: TrainerEngine) -> Iterator[TrainerEngine]:
 
 
 def test_default_is_fused_on_cuda_only(engine: TrainerEngine) -> None:
-    """``fused_cross_entropy=None`` (the default) means fused on CUDA and unfused on a CPU (which
-    stays bit-identical to before the fused path existed); True or False wins on either."""
+    """``fused_cross_entropy=None`` (the default) means fused on CUDA and unfused on a CPU;
+    True or False wins on either."""
     assert EngineConfig("x").fused_cross_entropy is None
     assert engine.fused_ce is False  # the tiny CPU engine built with the default
     assert resolve_fused_ce(None, "cuda") is True and resolve_fused_ce(None, "cpu") is False
