@@ -87,10 +87,18 @@ def sampler_bases(env: Mapping[str, str]) -> list[str]:
     """The extra base models that get a CPU sampler of their own (`sampler@<base>`): each one in
     `TINKERD_GATEWAY_EXTRA_BASE_MODELS` that `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already
     give engines (an operator's own SGLang, say). The primary base model's sampler is `sampler`."""
+    from libs.models.registry import ALIASES
+
+    def canonical(name: str) -> str:  # `tinkerd/tiny-qwen3` and `tiny-qwen3` are one base
+        name = name.strip()
+        return ALIASES.get(name, name)
+
     extra = [b.strip() for b in env.get("TINKERD_GATEWAY_EXTRA_BASE_MODELS", "").split(",") if b.strip()]
-    listed = {e.partition("=")[0].strip() for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",")}
-    listed.add(env.get("TINKERD_BASE_MODEL", "tiny-qwen3"))
-    return [base for base in dict.fromkeys(extra) if base not in listed]
+    listed = {canonical(e.partition("=")[0]) for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",")}
+    primary = env.get("TINKERD_GATEWAY_BASE_MODEL") or env.get("TINKERD_BASE_MODEL", "tiny-qwen3")
+    listed.add(canonical(primary))
+    unique = dict.fromkeys(canonical(base) for base in extra)
+    return [base for base in unique if base not in listed]
 
 
 def child_label(base: str) -> str:

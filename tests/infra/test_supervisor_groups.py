@@ -55,3 +55,14 @@ def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tm
     assert "TINKERD_SAMPLER_PORT" not in children["sampler"]  # the primary sampler keeps its own
     assert [service_of(name) for name in children] == ["sampler", "sampler", "gateway"]
     assert expand_services(("gateway",), env) == {"gateway": env}
+
+
+def test_an_alias_of_a_served_base_gets_no_sampler_of_its_own() -> None:
+    """An extra base spelled as an alias of the primary (or of another extra) is the same base:
+    no second sampler for it, so the gateway never sees an engine entry naming the primary."""
+    from infra.supervisor import sampler_bases
+
+    env = {"TINKERD_GATEWAY_EXTRA_BASE_MODELS": "tinkerd/tiny-qwen3,tiny-qwen3-narrow,tinkerd/tiny-qwen3-narrow"}
+    assert sampler_bases(env) == ["tiny-qwen3-narrow"]
+    # the gateway's own setting names the primary too: then tiny-qwen3 is the extra one
+    assert sampler_bases({**env, "TINKERD_GATEWAY_BASE_MODEL": "tinkerd/tiny-qwen3-narrow"}) == ["tiny-qwen3"]
