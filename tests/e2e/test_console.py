@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,16 +336,30 @@ def test_tenant_view_shows_the_run_its_losses_and_checkpoint_and_updates_live(
     screenshot(browser, "console-tenant.png")
 
 
+def settled_status(stack: Stack, timeout_s: float = 60) -> Any:
+    """`tinkerd status` once every trainer's heartbeat counts the slots the planner assigned on
+    its group (a trainer reports every few seconds, so right after a create it may still show
+    the slot free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = asyncio.run(collect_status(stack.nats_url))
+        assigned = [m for m in status.planner.values() if m.slot is not None and not m.paged and not m.closed]
+        if all(t.slots_used == sum(m.group == t.group for m in assigned) for t in status.trainers):
+            return status
+        assert time.monotonic() < deadline, f"trainer heartbeats never matched the planner: {status}"
+        time.sleep(0.2)  # polling a condition: the next heartbeat
+
+
 @needs_chromium
 def test_operator_view_matches_tinkerd_status(stack: Stack, trained: Trained, browser: Any) -> None:
     """The operator tab shows the trainers (id, slots used/total) and the run's slot and
     residency exactly as `tinkerd status` reads them, and a request's path by its id."""
     from selenium.webdriver.common.by import By
 
+    status = settled_status(stack)  # the page and this read then see the same heartbeat
     browser.get(f"{stack.base_url}/console")
     browser.find_element(By.ID, "tab-operator").click()
     wait(browser, lambda d: d.find_element(By.ID, "op-live").text == "live")
-    status = asyncio.run(collect_status(stack.nats_url))
     for trainer in status.trainers:
         cells = f'#trainers tr[data-trainer-id="{trainer.trainer_id}"] .trainer-slots'
         assert browser.find_element(By.CSS_SELECTOR, cells).text == f"{trainer.slots_used}/{trainer.num_slots}"
