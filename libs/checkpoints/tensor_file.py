@@ -63,7 +63,8 @@ class TensorFile:
         return 8 + len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def write_to(self, handle: BinaryIO, midway: Callable[[], None] = lambda: None) -> None:
-        """Write the file; ``midway`` runs once about half of it is written (the fault point)."""
+        """Write the file; ``midway`` runs once, when exactly half of its bytes are written (the
+        fault point: a crash or a full disk there leaves half a file)."""
         handle.write(struct.pack("<Q", len(self.header)))
         handle.write(self.header)
         half, written, called = len(self) // 2, 8 + len(self.header), False
