@@ -206,6 +206,14 @@ async def replay(
         sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, cb=on_message)
     count = 0
     try:
+        # No message of `subject` at or after the start (another group's messages fill the
+        # stream, or all of this subject's lie before `from_seq`): nothing will ever arrive, so
+        # do not wait for one. The server's delivered and pending counts are read together, so a
+        # message already on its way is counted in `delivered`.
+        state = await sub.consumer_info()
+        delivered = state.delivered.consumer_seq if state.delivered is not None else 0
+        if not delivered and not state.num_pending:
+            return 0
         while True:
             msg = await queue.get()
             seq = msg.metadata.sequence.stream
