@@ -60,6 +60,23 @@ def _set_grads(
     return out
 
 
+def _torch_fused_adamw(
+    refs: dict[int, list[nn.Parameter]], hps: dict[int, AdamParams]
+) -> dict[int, torch.optim.AdamW]:
+    """The reference: one `torch.optim.AdamW(fused=True)` per slot, with that slot's parameters."""
+    return {
+        s: torch.optim.AdamW(
+            refs[s],
+            lr=hp.learning_rate,
+            betas=(hp.beta1, hp.beta2),
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            fused=True,
+        )
+        for s, hp in hps.items()
+    }
+
+
 def _optimizer(device: str) -> SlotAdamW:
     return SlotAdamW(fused=True) if device == "cpu" else SlotAdamW()
 
@@ -83,17 +100,7 @@ def test_fused_step_many_equals_torch_fused_adamw_per_slot(device: str) -> None:
         3: AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1),
     }
     refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, rank)] for s in hps}
-    ref_opts = {
-        s: torch.optim.AdamW(
-            refs[s],
-            lr=hp.learning_rate,
-            betas=(hp.beta1, hp.beta2),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            fused=True,
-        )
-        for s, hp in hps.items()
-    }
+    ref_opts = _torch_fused_adamw(refs, hps)
     untouched = [t.value().detach().clone() for t in _tensors(params, 2, rank)]
     opt = _optimizer(device)
     for step in range(1, 4):
@@ -254,17 +261,7 @@ def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slo
     shared = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
     hps = {0: shared, 1: shared, 2: shared, 3: AdamParams(learning_rate=3e-3), 4: shared}
     refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, rank)] for s in hps}
-    ref_opts = {
-        s: torch.optim.AdamW(
-            refs[s],
-            lr=hp.learning_rate,
-            betas=(hp.beta1, hp.beta2),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            fused=True,
-        )
-        for s, hp in hps.items()
-    }
+    ref_opts = _torch_fused_adamw(refs, hps)
     untouched = [(t.value().clone(), t.grad().clone()) for t in _tensors(params, 5, rank)]  # type: ignore[union-attr]
     sizes: list[int] = []
     real = torch._fused_adamw_
