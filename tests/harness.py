@@ -231,5 +231,19 @@ class Stack:
         return "\n".join(f"[{name}] {line}" for name, lines in self.logs.items() for line in lines[-60:])
 
 
+def groups_live_listener(groups: tuple[str, ...]) -> tuple[dict[str, threading.Event], Callable[[str, str], None]]:
+    """A `Stack` listener and, per trainer group, the event it sets once the planner logs that group
+    live ("trainer group a (...): N adapter slots, live"). A trainer is ready before the planner has
+    read its first heartbeat, so a test that needs placement over every group waits for these."""
+    live = {group: threading.Event() for group in groups}
+
+    def on_line(service: str, line: str) -> None:
+        for group, seen in live.items():
+            if service == "planner" and f"trainer group {group} (" in line and line.rstrip().endswith(", live"):
+                seen.set()
+
+    return live, on_line
+
+
 def python() -> str:
     return sys.executable

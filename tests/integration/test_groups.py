@@ -21,7 +21,7 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.events import SlotAssigned
 from libs.contracts.records import ModelQueueRecord
-from tests.harness import Stack
+from tests.harness import Stack, groups_live_listener
 
 GROUPS = ("a", "b")
 
@@ -36,12 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     }
     # no sampler or publisher: nothing here samples or saves (and the trainers start faster)
     services = ("trainer", "planner", "gateway")
-    live = {group: threading.Event() for group in GROUPS}
-
-    def on_line(service: str, line: str) -> None:  # the planner's "trainer group a (...): N adapter slots, live"
-        for group, seen in live.items():
-            if service == "planner" and f"trainer group {group} (" in line and line.rstrip().endswith(", live"):
-                seen.set()
+    live, on_line = groups_live_listener(GROUPS)
 
     running = Stack(
         tmp_path_factory.mktemp("groups"), services=services, env_overrides=env, listeners=[on_line]

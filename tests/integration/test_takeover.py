@@ -25,7 +25,7 @@ from libs.contracts.work import AdoptSlot, BarrierUnit, Unit, WorkUnit
 from libs.faults import fired
 from services.trainer import snapshots
 from tests.faults.workload import exactly_once
-from tests.harness import Stack
+from tests.harness import Stack, groups_live_listener
 from tests.integration.test_training_semantics import BASE, Reference, batch, logprobs
 from tests.numerics import assert_within
 
@@ -48,12 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "TINKERD_GATEWAY_RETRIEVE_WAIT_S": "3",
     }
     faults = {"TINKERD_FAULT_POINTS": HANG, "TINKERD_FAULT_DIR": str(data / "faults")}
-    live = {group: threading.Event() for group in ("a", "b")}
-
-    def on_line(service: str, line: str) -> None:
-        for group, seen in live.items():
-            if service == "planner" and f"trainer group {group} (" in line and line.rstrip().endswith(", live"):
-                seen.set()
+    live, on_line = groups_live_listener(("a", "b"))
 
     running = Stack(
         data,
