@@ -392,3 +392,22 @@ def shape_of(model_dir: Path) -> Shape:
         ffn=int(cfg["intermediate_size"]),
         vocab=int(cfg["vocab_size"]),
     )
+
+
+def stepped_pool(model_shape: Any, slots: int, rank: int, device: str = "cpu") -> Any:
+    """An `AdapterPool` (torch and the trainer imported here) whose every slot holds random
+    adapters and gradients under a rank-`rank` config: what `SlotAdamW.step_many` benches step."""
+    import torch
+
+    from libs.contracts.common import LoraConfig
+    from services.trainer.lora import AdapterPool
+
+    with torch.device(device):
+        pool = AdapterPool(model_shape, slots, rank, device=device)
+    with torch.no_grad():
+        for p in pool.parameters():
+            p.normal_(0.0, 0.01)
+            p.grad = torch.randn_like(p) * 1e-3
+    for s in range(slots):
+        pool.routing.configs[s] = LoraConfig(rank=rank, seed=s)
+    return pool

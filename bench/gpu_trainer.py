@@ -66,6 +66,7 @@ from bench.common import (  # noqa: E402
     Shape,
     markdown_table,
     mfu,
+    stepped_pool,
     summarize,
     time_calls,
     train_flops,
@@ -556,10 +557,8 @@ class Bench:
     def optimizer64(self) -> None:
         from transformers import AutoConfig
 
-        from libs.contracts.common import LoraConfig
         from services.trainer.convert import ModelShape
         from services.trainer.engine import AdamParams
-        from services.trainer.lora import AdapterPool
         from services.trainer.optim import SlotAdamW
         from services.trainer.parallel import ensure_model_parallel
 
@@ -567,15 +566,8 @@ class Bench:
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(self.model_dir)))
         slots = 64
         self.peak_reset()
-        with torch.device(self.device):
-            pool = AdapterPool(shape, slots, LORA_RANK, device=self.device.type)
+        pool = stepped_pool(shape, slots, LORA_RANK, device=self.device.type)
         optimizer = SlotAdamW()
-        with torch.no_grad():
-            for p in pool.parameters():
-                p.normal_(0.0, 0.01)
-                p.grad = torch.randn_like(p) * 1e-3
-        for s in range(slots):
-            pool.routing.configs[s] = LoraConfig(rank=LORA_RANK, seed=s)
         hp = AdamParams(learning_rate=1e-5)
 
         def step(count: int) -> None:  # one call for all slots, as TrainerEngine.optim_step makes

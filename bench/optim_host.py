@@ -19,10 +19,9 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
 
-    from bench.common import Shape
-    from libs.contracts.common import AdamParams, LoraConfig
+    from bench.common import Shape, stepped_pool
+    from libs.contracts.common import AdamParams
     from services.trainer.convert import ModelShape
-    from services.trainer.lora import AdapterPool
     from services.trainer.optim import SlotAdamW
     from services.trainer.parallel import ensure_model_parallel
 
@@ -33,14 +32,8 @@ def main() -> None:
     (model_dir / "config.json").write_text(json.dumps(tiny.hf_config()))
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(model_dir)))
     slots, rank = 64, 4
-    pool = AdapterPool(shape, slots, rank)
+    pool = stepped_pool(shape, slots, rank)
     optimizer = SlotAdamW(fused=True)
-    with torch.no_grad():
-        for p in pool.parameters():
-            p.normal_(0.0, 0.01)
-            p.grad = torch.randn_like(p) * 1e-3
-    for s in range(slots):
-        pool.routing.configs[s] = LoraConfig(rank=rank, seed=s)
     hp = AdamParams(learning_rate=1e-5)
 
     def step(count: int) -> None:
