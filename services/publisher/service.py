@@ -65,6 +65,12 @@ def _encrypted(staging: Path, recipients: list[str]) -> Path:
     return age.encrypt_dir(staging, target, recipients)
 
 
+def _remove_staged(staging: Path) -> None:
+    """The staged files of a publication that is over, and their encrypted copies if any."""
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(_encrypted_dir(staging), ignore_errors=True)
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
@@ -98,7 +104,7 @@ class PublisherService:
             if await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id)):
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
                 # Redoing it could switch a name back to an older version: only ack it.
-                shutil.rmtree(publish.staging_dir, ignore_errors=True)
+                _remove_staged(Path(publish.staging_dir))
                 await msg.ack()
                 continue
             started = time.perf_counter()
@@ -116,7 +122,7 @@ class PublisherService:
                 )
             except OSError as exc:  # a full disk: the writer removed its temporary directory
                 log.exception("publishing %s failed", publish.request_id)
-                shutil.rmtree(publish.staging_dir, ignore_errors=True)  # this publication is over
+                _remove_staged(Path(publish.staging_dir))  # this publication is over
                 kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
                 body = Failure(
                     error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
@@ -196,8 +202,7 @@ class PublisherService:
                 )
             await self._event(p, engine_name, version_dir)
             body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(_encrypted_dir(staging), ignore_errors=True)
+        _remove_staged(staging)
         return body
 
     async def _event(self, p: PublishCommand, engine_name: str, directory: Path) -> None:
