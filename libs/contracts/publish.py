@@ -21,3 +21,4 @@ class PublishCommand(Envelope, tag="publish", kw_only=True, frozen=True):
     ttl_s: int | None = None
     user_metadata: dict[str, str] | None = None
     version: str = ""  # unique per save: the unit that produced it
+    age_recipients: list[str] | None = None  # encrypt every file to these age recipients

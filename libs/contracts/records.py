@@ -71,6 +71,20 @@ class SamplerRecord(msgspec.Struct, kw_only=True):
     adapter_dir: str | None = None
     pending_request_id: str | None = None  # ephemeral samplers: the save that produces the export
     created_ns: int = 0
+    inflight_model_id: str | None = None  # inflight samplers: the model whose inflight target they follow
+    save_seq_id: int | None = None  # ephemeral samplers: the seq_id of the save that created them
+
+
+class InflightTarget(msgspec.Struct, kw_only=True, frozen=True):
+    """A training model's mutable inflight weights (KV `tinker_inflight`, key = model): the
+    newest inflight sampler export, by the seq_id of its save. It only moves forward."""
+
+    model_id: str
+    seq_id: int  # the save that produced it
+    sampler_id: str  # the inflight sampling client that save created
+    adapter_name: str
+    adapter_dir: str
+    updated_ns: int = 0
 
 
 class CheckpointRecord(msgspec.Struct, kw_only=True):

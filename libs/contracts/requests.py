@@ -54,13 +54,15 @@ class SaveForSampler(Envelope, tag="save_weights_for_sampler", kw_only=True, fro
     """A PEFT export for sampling: named (`name`) or ephemeral (`sampling_session_id`).
 
     `external`: the same PEFT files, saved as `tinker://RUN/external_weights/NAME` for download
-    (save_weights_external) rather than for sampling.
+    (save_weights_external) rather than for sampling. `age_recipients`: an encrypted external
+    export, every file encrypted to these age recipients (`libs/checkpoints/age.py`).
     """
 
     name: str | None = None
     sampling_session_id: str | None = None
     ttl_s: int | None = None
     external: bool = False
+    age_recipients: list[str] | None = None
 
 
 class LoadWeights(Envelope, tag="load_weights", kw_only=True, frozen=True):

@@ -60,6 +60,9 @@ KV_SEQ = "tinker_seq"
 KV_SAMPLERS = "tinker_samplers"
 KV_SAMPLE_SEQ = "tinker_sample_seq"
 """(sampling session, seq_id) -> request id: sampling retries are deduplicated here."""
+KV_INFLIGHT = "tinker_inflight"
+"""training model -> its inflight weights target (`InflightTarget`): the newest inflight sampler
+export, which every inflight sampling client of the model samples with."""
 KV_CHECKPOINTS = "tinker_checkpoints"
 KV_TRAINERS = "tinker_trainers"
 """Live trainers and their readiness, with a TTL: the gateway's healthz reads it."""
@@ -85,6 +88,7 @@ ALL_BUCKETS = (
     KV_SEQ,
     KV_SAMPLERS,
     KV_SAMPLE_SEQ,
+    KV_INFLIGHT,
     KV_CHECKPOINTS,
     KV_TRAINERS,
     KV_QUEUE,

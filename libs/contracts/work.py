@@ -85,6 +85,7 @@ class ExportSlot(msgspec.Struct, tag="export_slot", kw_only=True, frozen=True):
     sampling_session_id: str | None = None
     tenant: str = ""
     ttl_s: int | None = None
+    age_recipients: list[str] | None = None  # an encrypted external export (the publisher encrypts)
 
 
 class LoadSlot(msgspec.Struct, tag="load_slot", kw_only=True, frozen=True):

@@ -10,7 +10,9 @@ failing: its future answers `try_again` with `queue_state: paused_capacity` and 
 `QueueRecord` in `tinker_queue`), the job is kept alive with in-progress acks, and it runs as soon
 as an engine answers `/health` again. It fails only past `sample_deadline_s` after it was accepted.
 The adapter it samples with is loaded into the engine on demand (see `engines.py`); the engines
-are those of the sampler's base model (`Gateway.pool`).
+are those of the sampler's base model (`Gateway.pool`). An inflight sampler samples with its
+model's inflight target when that is its own save or a newer one (`InflightTarget`); a
+generation runs on the adapter it started with.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted
-from libs.contracts.records import QueueRecord, SamplerRecord
+from libs.contracts.records import InflightTarget, QueueRecord, SamplerRecord
 from libs.contracts.results import Failure, RequestResult, ResultBody, SampleResult
 from libs.contracts.sampling import SampleJob
 from libs.faults import crash_point
@@ -249,6 +251,10 @@ class SampleRunner:
             sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord) or sampler
         if not sampler.adapter_name:
             return None, sampler.base_model
+        if sampler.inflight_model_id:  # the model's inflight target: this client's save or a newer one
+            target = await store.get(s.KV_INFLIGHT, s.token(sampler.inflight_model_id), InflightTarget)
+            if target is not None and target.seq_id >= (sampler.save_seq_id or 0):
+                return Adapter(name=target.adapter_name, directory=target.adapter_dir), sampler.base_model
         return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir), sampler.base_model
 
 

@@ -724,6 +724,7 @@ class Planner:
                     sampling_session_id=sampler,
                     tenant=stream.tenant,
                     ttl_s=ttl_s,
+                    age_recipients=cmd.age_recipients,
                 )
             case LoadWeights() if dirty:
                 return FailRequest(model_id=mid, request_id=rid, error=LOAD_WITH_PENDING_GRADS)

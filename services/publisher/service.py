@@ -21,19 +21,20 @@ import shutil
 import time
 from pathlib import Path
 
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
-from libs.checkpoints import layout
+from libs.checkpoints import age, layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import CheckpointPublished, RequestCompleted, RequestFailed
 from libs.contracts.ids import TinkerPath
 from libs.contracts.publish import PublishCommand
-from libs.contracts.records import CheckpointRecord, SamplerRecord
+from libs.contracts.records import CheckpointRecord, InflightTarget, SamplerRecord
 from libs.contracts.results import (
     Failure,
     RequestResult,
@@ -49,6 +50,25 @@ from services.publisher.naming import adapter_name
 log = logging.getLogger("tinkerd.publisher")
 
 
+
+
+def _encrypted_dir(staging: Path) -> Path:
+    """Where the encrypted files of an encrypted export are built, beside its staging directory."""
+    return staging.with_name(f"{staging.name}{age.SUFFIX}")
+
+
+def _encrypted(staging: Path, recipients: list[str]) -> Path:
+    """The staged files encrypted to `recipients` (`<name>.age`), in a fresh directory; a copy
+    left by a publisher that died mid-way is built again."""
+    target = _encrypted_dir(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    return age.encrypt_dir(staging, target, recipients)
+
+
+def _remove_staged(staging: Path) -> None:
+    """The staged files of a publication that is over, and their encrypted copies if any."""
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(_encrypted_dir(staging), ignore_errors=True)
 
 
 def dir_size(path: Path) -> int:
@@ -84,7 +104,7 @@ class PublisherService:
             if await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id)):
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
                 # Redoing it could switch a name back to an older version: only ack it.
-                shutil.rmtree(publish.staging_dir, ignore_errors=True)
+                _remove_staged(Path(publish.staging_dir))
                 await msg.ack()
                 continue
             started = time.perf_counter()
@@ -102,7 +122,7 @@ class PublisherService:
                 )
             except OSError as exc:  # a full disk: the writer removed its temporary directory
                 log.exception("publishing %s failed", publish.request_id)
-                shutil.rmtree(publish.staging_dir, ignore_errors=True)  # this publication is over
+                _remove_staged(Path(publish.staging_dir))  # this publication is over
                 kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
                 body = Failure(
                     error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
@@ -126,9 +146,10 @@ class PublisherService:
             path = TinkerPath.parse(p.tinker_path)
             run, kind, name = path.run, path.kind, path.name
             version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
-            await asyncio.to_thread(
-                layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
-            )
+            source = staging if staging.exists() else None
+            if source is not None and p.age_recipients and not version_dir.exists():
+                source = await asyncio.to_thread(_encrypted, staging, p.age_recipients)
+            await asyncio.to_thread(layout.write_dir_atomically, version_dir, link_from=source)
             crash_point("publisher.version_written")  # fault tests: die between the two atomic steps
             await asyncio.to_thread(
                 layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
@@ -166,9 +187,22 @@ class PublisherService:
             sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
             sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
             await kv.put(key, codec.to_json(sampler))
+            if sampler.inflight_model_id and sampler.save_seq_id is not None:
+                # before the save answers: its completion means the target has moved
+                await advance_inflight(
+                    self.bus,
+                    InflightTarget(
+                        model_id=sampler.inflight_model_id,
+                        seq_id=sampler.save_seq_id,
+                        sampler_id=p.sampling_session_id,
+                        adapter_name=engine_name,
+                        adapter_dir=str(version_dir),
+                        updated_ns=now_ns(),
+                    ),
+                )
             await self._event(p, engine_name, version_dir)
             body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_staged(staging)
         return body
 
     async def _event(self, p: PublishCommand, engine_name: str, directory: Path) -> None:
@@ -233,6 +267,32 @@ class PublisherService:
                 await asyncio.wait_for(stop.wait(), self.config.reap_interval_s)
             with contextlib.suppress(Exception):
                 await reap_expired(self.bus, self.data_dir, time.time_ns())
+
+
+async def advance_inflight(bus: Bus, target: InflightTarget) -> bool:
+    """Make `target` its model's inflight target unless a newer save's (a higher seq_id) is
+    there already (a redelivered older publication never moves it back); compare-and-set, so
+    concurrent publishers agree. True when it is the target now."""
+    kv = await bus.kv(s.KV_INFLIGHT)
+    key, value = s.token(target.model_id), codec.to_json(target)
+    while True:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            entry = None
+        try:
+            if entry is None or entry.value is None:
+                await kv.create(key, value)
+                return True
+            current = codec.from_json(entry.value, InflightTarget)
+            if current.seq_id > target.seq_id:
+                return False
+            if current.seq_id == target.seq_id and current.adapter_name == target.adapter_name:
+                return True
+            await kv.update(key, value, last=entry.revision)
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue  # another writer got there first: look again
 
 
 async def reap_expired(bus: Bus, data_dir: Path, now: int) -> int:

@@ -79,6 +79,7 @@ def write_checkpoint(
         ttl_s=op.ttl_s,
         user_metadata=metadata,
         version=unit_id,
+        age_recipients=op.age_recipients if isinstance(op, ExportSlot) else None,
         model_id=op.model_id,
         request_id=op.request_id,
         tenant=op.tenant,

@@ -151,9 +151,14 @@ def _checked_prompt(data: w.SampleRequest, gateway: Gateway, base: str) -> tuple
     return prompt, max_tokens
 
 
-def _engine_body(data: w.SampleRequest, prompt: np.ndarray, max_tokens: int) -> dict[str, Any]:
+def _engine_body(
+    data: w.SampleRequest, prompt: np.ndarray, max_tokens: int, namespace: str | None = None
+) -> dict[str, Any]:
+    """SGLang's `/generate` body; `namespace` (SGLang's `extra_key`) keeps the engine's prefix
+    cache of one client apart from every other's."""
     params = data.sampling_params
     return {
+        **({"extra_key": namespace} if namespace is not None else {}),
         "input_ids": prompt.tolist(),
         "sampling_params": {
             "temperature": params.temperature,
@@ -196,7 +201,10 @@ def _sample_job(
 ) -> SampleJob:
     return SampleJob(
         sampler_id=sampler.sampler_id,
-        engine_request=msgspec.json.encode(_engine_body(data, prompt, max_tokens)),
+        engine_request=msgspec.json.encode(
+            # an inflight client is its own KV namespace, across every update of its weights
+            _engine_body(data, prompt, max_tokens, sampler.sampler_id if sampler.inflight_model_id else None)
+        ),
         num_samples=data.num_samples,
         prompt_len=int(prompt.size),
         want_prompt_logprobs=bool(data.prompt_logprobs or data.topk_prompt_logprobs),

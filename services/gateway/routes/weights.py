@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 from litestar import post
 
+from libs.checkpoints import age
 from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import LoraConfig, now_ns
@@ -33,6 +34,17 @@ def check_ttl(ttl_seconds: int | None) -> int | None:
     if ttl_seconds is not None and ttl_seconds <= 0:
         raise BadRequest(f"ttl_seconds must be > 0 (or null for no expiry), got {ttl_seconds}")
     return ttl_seconds
+
+
+def check_recipients(values: list[str] | None) -> list[str] | None:
+    """The age recipients of an encrypted export (None: a plain one), or a 400 naming the entry."""
+    if values is None:
+        return None
+    try:
+        age.parse_recipients(values)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    return [value.strip() for value in values]
 
 
 def _future(request_id: str, model_id: str) -> w.UntypedAPIFuture:
@@ -71,7 +83,9 @@ async def save_weights_for_sampler(
         name, ttl = (check_name(data.path, "path") if data.path else None), check_ttl(data.ttl_seconds)
         if name is None:  # the SDK samples it next (save_weights_and_get_sampling_client)
             check_sampleable(gateway, model.base_model)
-            sampler_id = await register_sampler(gateway, tenant, model, seq, data.sampling_session_seq_id)
+            sampler_id = await register_sampler(
+                gateway, tenant, model, seq, data.sampling_session_seq_id, inflight=data.kind == "inflight"
+            )
         return SaveForSampler(
             model_id=data.model_id, seq_id=seq, name=name, sampling_session_id=sampler_id, ttl_s=ttl
         )
@@ -87,10 +101,11 @@ async def save_weights_for_sampler(
 
 
 async def register_sampler(
-    gateway: Gateway, tenant: Tenant, model: ModelRecord, seq: int, sampling_seq: int | None
+    gateway: Gateway, tenant: Tenant, model: ModelRecord, seq: int, sampling_seq: int | None, inflight: bool
 ) -> str:
     """The sampler an ephemeral sampler export is for, registered before the save can possibly complete
-    (the publisher fills in its adapter when the export is written)."""
+    (the publisher fills in its adapter when the export is written). An inflight sampler follows
+    the model's inflight target (docs/semantics.md, "Inflight sampling clients")."""
     if sampling_seq is None:
         raise BadRequest(
             "save_weights_for_sampler needs a path (named) or sampling_session_seq_id (ephemeral)"
@@ -103,6 +118,8 @@ async def register_sampler(
         base_model=model.base_model,
         pending_request_id=ids.request_id(model.model_id, seq),
         created_ns=now_ns(),
+        inflight_model_id=model.model_id if inflight else None,
+        save_seq_id=seq,
     )
     await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
     return sampler_id
@@ -119,9 +136,10 @@ async def save_weights_external(
 
     async def build() -> SaveForSampler:
         name, ttl = check_name(data.path, "path"), check_ttl(data.ttl_seconds)
-        if data.age_encryption_recipients:
-            raise BadRequest("age_encryption_recipients: encrypted exports are not offered by this server")
-        return SaveForSampler(model_id=data.model_id, seq_id=seq, name=name, ttl_s=ttl, external=True)
+        recipients = check_recipients(data.age_encryption_recipients)
+        return SaveForSampler(
+            model_id=data.model_id, seq_id=seq, name=name, ttl_s=ttl, external=True, age_recipients=recipients
+        )
 
     digest = fingerprint_json("save_weights_external", msgspec.to_builtins(data))
     request_id = await sequenced(gateway, tenant, data.model_id, seq, "save_weights_external", digest, build)
