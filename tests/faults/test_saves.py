@@ -46,8 +46,8 @@ def train(trainer: tinker.TrainingClient, tenant: int, step: int) -> None:
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
 
-def training_paths(client: tinker.ServiceClient, model_id: str) -> list[str]:
-    listed = client.create_rest_client().list_checkpoints(model_id).result().checkpoints
+def training_paths(stack: Stack, key: str, model_id: str) -> list[str]:
+    listed = tinker.RestClient(base_url=stack.base_url, api_key=key).list_checkpoints(model_id).result().checkpoints
     return [c.tinker_path for c in listed if c.checkpoint_type == "training"]
 
 
@@ -62,22 +62,22 @@ def test_a_save_completes_while_another_tenants_save_write_is_held(tmp_path: Pat
             tinker.ServiceClient(base_url=stack.base_url, api_key="tml-saves-a") as client_a,
             tinker.ServiceClient(base_url=stack.base_url, api_key="tml-saves-b") as client_b,
         ):
-            a = client_a.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7)
-            b = client_b.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=8)
+            a = client_a.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7).result()
+            b = client_b.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=8).result()
             train(a, 0, 0)
             saving = a.save_state("a1")
             wait_for(lambda: fired(HOLD, tmp_path / "faults"), "the hold of a's save write")
 
             train(b, 1, 0)
             b_path = b.save_state("b1").result().path
-            assert training_paths(client_b, b.model_id) == [b_path]
+            assert training_paths(stack, "tml-saves-b", b.model_id) == [b_path]
             assert checkpoint_digests(stack.data_dir, b_path)["step"] == "1"
             train(a, 0, 1)  # a's own units do not wait for its save either
-            assert training_paths(client_a, a.model_id) == [], "a save was catalogued before its file was whole"
+            assert training_paths(stack, "tml-saves-a", a.model_id) == [], "a save was catalogued before its file was whole"
 
             release(HOLD, tmp_path / "faults")
             a_path = saving.result().path
-            assert training_paths(client_a, a.model_id) == [a_path]
+            assert training_paths(stack, "tml-saves-a", a.model_id) == [a_path]
             assert checkpoint_digests(stack.data_dir, a_path)["step"] == "1"
     finally:
         stack.stop()
@@ -97,7 +97,7 @@ def test_a_save_whose_write_a_killed_trainer_never_finished_is_redone_from_the_s
             tinker.ServiceClient(base_url=stack.base_url, api_key="tml-saves-a") as client_a,
             tinker.ServiceClient(base_url=stack.base_url, api_key="tml-saves-c") as client_c,
         ):
-            a = client_a.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7)
+            a = client_a.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7).result()
             train(a, 0, 0)
             saving = a.save_state("a1")
             wait_for(lambda: fired(HOLD, tmp_path / "faults"), "the hold of a's save write")
@@ -107,14 +107,14 @@ def test_a_save_whose_write_a_killed_trainer_never_finished_is_redone_from_the_s
             a_path = saving.result().path
             first = checkpoint_digests(stack.data_dir, a_path)
             assert first["step"] == "1"
-            c = client_c.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7)
+            c = client_c.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7).result()
             train(c, 0, 0)
             reference = checkpoint_digests(stack.data_dir, c.save_state("c1").result().path)
             assert first == reference
 
             assert a.save_state("a1").result().path == a_path
             assert checkpoint_digests(stack.data_dir, a_path)["step"] == "2"
-            assert training_paths(client_a, a.model_id) == [a_path]
+            assert training_paths(stack, "tml-saves-a", a.model_id) == [a_path]
         report = exactly_once(stack.nats_url)
         assert report.clean, f"something was applied twice: {report}"
     finally:
