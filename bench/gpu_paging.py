@@ -38,7 +38,9 @@ def main() -> None:
 
     from bench.gpu_trainer import LORA_RANK, Bench
     from services.trainer.engine import AdamParams, LoraConfig
-    from services.trainer.paging import PageStore, capture
+    from services.trainer.state import files
+    from services.trainer.state.paging import PageStore
+    from services.trainer.state.slots import capture
 
     bench = Bench(args)
     engine = bench.build_engine("auto", num_slots=8)
@@ -48,7 +50,7 @@ def main() -> None:
     engine.optim_step({0: AdamParams(learning_rate=1e-5)})
     engine.forward_backward(datums, "cross_entropy")  # gradients pending, as mid-window
     bench.sync()
-    before = capture(engine, 0, "m")
+    before = capture(engine, 0)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gpu-paging-") as tmp:
         for where, budget in (("host", 1 << 42), ("disk", 0)):
@@ -76,8 +78,9 @@ def main() -> None:
                 }
             )
             bench.log("paging", rows[-1])
-    after = capture(engine, 0, "m")
-    exact = before.meta == after.meta and all(torch.equal(before.tensors[k], after.tensors[k]) for k in before.tensors)
+    after = capture(engine, 0)
+    want, got = files.encode(before, "m"), files.encode(after, "m")
+    exact = want.header == got.header and all(torch.equal(want.tensors[k], got.tensors[k]) for k in want.tensors)
     result = {"device": str(bench.device), "shape": "tiny" if args.tiny else "qwen3-8b", "rank": LORA_RANK, "rows": rows, "exact": exact}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

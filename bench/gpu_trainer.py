@@ -597,16 +597,16 @@ class Bench:
         )
 
     def snapshot(self) -> None:
-        """The trainer's internal snapshot (services/trainer/snapshots.py) of a 16-slot engine
+        """The trainer's internal snapshot (services/trainer/state/snapshots.py) of a 16-slot engine
         whose every slot holds state (adapter, moments, pending gradients): the capture (the
         only part on the unit path) and the background write, first of every slot, then twice
         after 4 of the 16 slots changed (only those are copied; the rest are linked)."""
         import tempfile
 
         from libs.contracts.common import LoraConfig
-        from services.trainer import snapshots
         from services.trainer.engine import AdamParams
-        from services.trainer.paging import PageStore
+        from services.trainer.state import snapshots
+        from services.trainer.state.paging import PageStore
 
         slots = 16 if not self.tiny else 4
         engine = self.build_engine("varlen_flash" if self.cuda else "sdpa_per_document", slots)

@@ -8,7 +8,7 @@ One real stack (tiny-qwen3). A workload of 4 tenants (threads), each running ``S
    unit; the same units' live execute times (outcome ``finished_ns - started_ns``) for context
    (they ran while the workload's clients and every service shared the CPU).
 2. Recovery time with K units after the newest internal snapshot (K = 0, 10, 50): a snapshot is
-   written after unit N - K (``services.trainer.snapshots.take``) into a fresh data directory and
+   written after unit N - K (``services.trainer.state.snapshots.take``) into a fresh data directory and
    a fresh ``TrainerService`` on the live NATS runs ``recover()``: restore the snapshot, fold the
    outcome stream, re-execute the K units. Building the engine is timed apart.
 3. kill -9 of the running trainer: time until the supervisor's new trainer is ready (split into
@@ -149,7 +149,7 @@ def recover_rows(
     stack: Any, units: list[tuple[int, Any]], model_dir: Path, tmp: Path, ks: list[int]
 ) -> list[dict[str, Any]]:
     from infra.bus import Bus
-    from services.trainer import snapshots
+    from services.trainer.state import snapshots
 
     ks = sorted({min(k, len(units) - 1) for k in ks}, reverse=True)  # largest K = earliest snapshot
     writer, _ = fresh_service(model_dir, tmp / "writer")

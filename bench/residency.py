@@ -53,7 +53,7 @@ def page_latency(name: str, model_dir: Path, reps: int, tmp: Path) -> list[dict[
     import numpy as np
 
     from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine
-    from services.trainer.paging import PageStore
+    from services.trainer.state.paging import PageStore
 
     engine = TrainerEngine(EngineConfig(base_model_dir=str(model_dir), num_slots=2, max_lora_rank=64))
     engine.init_slot(0, LoraConfig(rank=RANK, seed=1))

@@ -8,7 +8,9 @@ N-th time (default 1st) this process reaches point NAME, and only once ever: a m
 - `kill` (default): SIGKILL this process, exactly like `kill -9`;
 - `hang`: block the calling thread forever (a wedged kernel, a deadlock): the process stays
   alive and must be detected by a watchdog;
-- `enospc`: raise `OSError(ENOSPC)` where the point is, as a full disk does.
+- `enospc`: raise `OSError(ENOSPC)` where the point is, as a full disk does;
+- `hold`: block the calling thread until the test lets it go (`release`): a slow disk, held
+  for exactly as long as the test needs, with the rest of the process running.
 
 Points in shared code take the service's name from `TINKERD_SERVICE` (set by `tinkerd serve`),
 e.g. `service_point("checkpoint_write")` is `publisher.checkpoint_write` in the publisher.
@@ -27,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "hang", "enospc")
+ACTIONS = ("kill", "hang", "enospc", "hold")
+HOLD_POLL_S = 0.05
 _hits: Counter[str] = Counter()
 _lock = threading.Lock()
 
@@ -64,6 +67,12 @@ def fired(spec_text: str, directory: Path) -> bool:
     return Spec.parse(spec_text, directory).marker.exists()
 
 
+def release(spec_text: str, directory: Path) -> None:
+    """Let a `hold` spec of a run whose `TINKERD_FAULT_DIR` is `directory` go on."""
+    marker = Spec.parse(spec_text, directory).marker
+    marker.with_name(marker.name + ".release").touch()
+
+
 def service() -> str:
     return os.environ.get("TINKERD_SERVICE", "")
 
@@ -92,5 +101,9 @@ def crash_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "hang":
             threading.Event().wait()
+        elif spec.action == "hold":
+            released = spec.marker.with_name(spec.marker.name + ".release")
+            while not released.exists():
+                threading.Event().wait(HOLD_POLL_S)
         elif spec.action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

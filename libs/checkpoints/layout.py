@@ -1,4 +1,4 @@
-"""Where checkpoints live under the data root, and the atomic directory transaction.
+"""Where checkpoints live under the data root, and the atomic file and directory writes.
 
     DATA/checkpoints/<run>/<segment>/<name>           -> a relative symlink to a version
     DATA/checkpoints/<run>/<segment>/.versions/<name>@<version>/   immutable contents
@@ -116,6 +116,24 @@ def write_dir_atomically(
     return final
 
 
+def write_file_atomically(path: Path, data: FileData, sync: bool = True) -> Path:
+    """Write one file whole or not at all: under a temporary name in the same directory, then
+    renamed over ``path``. With ``sync`` the file and its directory are fsynced before the
+    function returns (the file must survive a crash); a cache file that nothing needs after a
+    crash passes ``sync=False``. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        _write_file(tmp, data, sync=sync)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync:
+        fsync_dir(path.parent)
+    return path
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -123,16 +141,20 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         _copy_file(src, dst)
 
 
-def _write_file(path: Path, data: FileData) -> None:
-    """Write `data`; the fault point sits mid-file, where a full disk or a crash would strike."""
+def _write_file(path: Path, data: FileData, sync: bool = False) -> None:
+    """Write `data` (fsynced with ``sync``); the fault point sits mid-file, where a full disk or
+    a crash would strike."""
     with open(path, "wb") as handle:
         if not isinstance(data, bytes):
             data.write_to(handle, lambda: service_point("checkpoint_write"))
-            return
-        half = len(data) // 2
-        handle.write(data[:half])
-        service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC with half a file written
-        handle.write(data[half:])
+        else:
+            half = len(data) // 2
+            handle.write(data[:half])
+            service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC with half a file written
+            handle.write(data[half:])
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def _copy_file(src: Path, dst: Path, chunk: int = 1 << 22) -> None:

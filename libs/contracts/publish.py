@@ -1,8 +1,9 @@
 """Publication commands (`tinker.publish.<model>`): trainer -> publisher.
 
-The trainer writes a complete staging directory (atomically) and hands it over; the publisher
-materializes the immutable version, registers it in the catalogue, loads sampler exports into
-the sampling engines, and answers the request's future.
+The trainer writes a complete staging directory (atomically, fsynced) and only then hands it
+over; the publisher materializes the immutable version, registers it in the catalogue, and
+answers the request's future. A command with an `error` says the trainer could not write the
+files: the publisher answers the future with that error and publishes nothing.
 """
 
 from __future__ import annotations
@@ -22,3 +23,4 @@ class PublishCommand(Envelope, tag="publish", kw_only=True, frozen=True):
     user_metadata: dict[str, str] | None = None
     version: str = ""  # unique per save: the unit that produced it
     age_recipients: list[str] | None = None  # encrypt every file to these age recipients
+    error: str | None = None  # the staging write failed (a server error, for the caller)

@@ -1,6 +1,6 @@
 """The publisher: materializes checkpoints (training states and sampler exports) and registers them.
 
-For each PublishCommand (from a trainer): place the staging directory's files into an immutable
+For each PublishCommand (from a trainer, once its staged files are fsynced): place the staging directory's files into an immutable
 version directory (atomic: hard links in a temporary directory, fsync, rename; the trainer wrote
 and fsynced the staged files, so the adapter is written to disk once), switch the public name to it (atomic symlink swap),
 record the checkpoint in the catalogue (or the ephemeral sampler's adapter), answer the request's
@@ -105,6 +105,11 @@ class PublisherService:
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
                 # Redoing it could switch a name back to an older version: only ack it.
                 _remove_staged(Path(publish.staging_dir))
+                await msg.ack()
+                continue
+            if publish.error is not None:  # the trainer could not write the files: nothing to publish
+                _remove_staged(Path(publish.staging_dir))
+                await self._answer(publish, Failure(error=publish.error, category="server"))
                 await msg.ack()
                 continue
             started = time.perf_counter()

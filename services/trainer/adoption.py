@@ -17,6 +17,11 @@ trainer rebuilds the model, alone, in its new slot from the lost group's durable
    this group replays the takeover from that file (not from the lost group, whose snapshots
    move on once it is back).
 
+``Takeovers`` is the executor's ``adopt`` callable (services/trainer/execute.py, given by the
+service): this module replays the lost group's units on the executor through its public
+``run_work`` and ``run_op``, in the executor's own ``barrier_order``; the executor never
+imports this module.
+
 Numerics: the model's datums run without the tenants they were packed with, so the GEMM shapes
 differ and the rebuilt state agrees with the one the lost group held within fp32 rounding
 (docs/semantics.md §7), not bit for bit.
@@ -28,7 +33,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.msg import Msg
@@ -47,20 +51,18 @@ from libs.contracts.work import (
     PageIn,
     PageOut,
     ReleaseSlot,
-    SlotOp,
     StepSlot,
     Unit,
     WorkUnit,
 )
-from services.trainer import paging, snapshots
-
-if TYPE_CHECKING:  # execute.py imports this module
-    from services.trainer.execute import Executor
+from services.trainer.execute import Executor, ReportedError, barrier_order
+from services.trainer.slot_state import SlotState
+from services.trainer.state import files, slots, snapshots
 
 log = logging.getLogger("tinkerd.trainer")
 
 
-class AdoptionError(Exception):
+class AdoptionError(ReportedError):
     """The model's state cannot be rebuilt from the lost group's files."""
 
 
@@ -71,15 +73,6 @@ class Source:
     snapshot: Path | None = None
     base_seq: int = 0  # the snapshot's work sequence (0: none, replay from the start)
     units: list[Unit] = field(default_factory=list)  # the units that count after it, in order
-
-
-def barrier_order(ops: list[SlotOp]) -> list[SlotOp]:
-    """The order a trainer runs a barrier's ops in (execute.py): a takeover unit's page-outs and
-    adoptions first; then the optimizer steps, fused in one call; then every other op in order."""
-    adopts = [i for i, op in enumerate(ops) if isinstance(op, AdoptSlot)]
-    first = ops[: adopts[-1] + 1] if adopts else []
-    rest = ops[len(first) :]
-    return [*first, *(op for op in rest if isinstance(op, StepSlot)), *(op for op in rest if not isinstance(op, StepSlot))]
 
 
 def adopted_path(data_dir: Path, model_id: str, unit_id: str) -> Path:
@@ -130,11 +123,11 @@ class Rebuild:
         self.op = op
         self.slot = op.slot
         self.in_slot = False
-        self.held: paging.PagedState | None = None  # paged out on the lost group
+        self.held: SlotState | None = None  # paged out on the lost group
 
-    def start(self, state: paging.PagedState | None) -> None:
+    def start(self, state: SlotState | None) -> None:
         if state is not None:
-            paging.restore(self.engine, self.slot, state)
+            slots.restore(self.engine, self.slot, state)
             self.in_slot, self.held = True, None
 
     def unit(self, unit: Unit) -> None:
@@ -143,7 +136,7 @@ class Rebuild:
             case WorkUnit(forward_only=False, items=items):
                 mine = [msgspec.structs.replace(i, slot=slot) for i in items if i.model_id == mid]
                 if mine and self.in_slot:
-                    self.executor._work(msgspec.structs.replace(unit, items=mine), 0)
+                    self.executor.run_work(msgspec.structs.replace(unit, items=mine))
             case BarrierUnit(ops=ops):
                 for op in barrier_order(ops):  # as the lost group ran them
                     if op.model_id == mid:
@@ -157,20 +150,20 @@ class Rebuild:
             case DiscardSlot() if self.in_slot:
                 engine.discard_grads(slot)
             case InitSlot() | LoadSlot():
-                self.executor._op(unit, msgspec.structs.replace(op, slot=slot), True)
+                self.executor.run_op(unit, msgspec.structs.replace(op, slot=slot), True)
                 self.in_slot = True
             case PageOut() if self.in_slot:
-                self.held = paging.capture(engine, slot, self.op.model_id)
+                self.held = slots.capture(engine, slot)
                 engine.release_slot(slot)
                 self.in_slot = False
             case PageIn(source=source) if source:
-                self.start(paging.decode(self.executor.data_dir / source))
+                self.start(files.read(self.executor.data_dir / source)[1])
             case PageIn() if self.held is not None:
                 self.start(self.held)
             case AdoptSlot():  # the lost group had itself taken this model over
                 path = adopted_path(self.executor.data_dir, op.model_id, unit.unit_id)
                 if path.exists():
-                    self.start(paging.decode(path))
+                    self.start(files.read(path)[1])
             case ReleaseSlot() | DropPaged():
                 if self.in_slot:
                     engine.release_slot(slot)
@@ -209,8 +202,7 @@ def rebuild(executor: Executor, unit_id: str, op: AdoptSlot, source: Source) -> 
             f"no state of model {op.model_id} was found in trainer group {op.from_group}'s snapshots "
             "or units"
         )
-    state = paging.capture(executor.engine, op.slot, op.model_id)
-    paging.write_durably(adopted_path(executor.data_dir, op.model_id, unit_id), paging.encode(state))
+    files.write(adopted_path(executor.data_dir, op.model_id, unit_id), slots.capture(executor.engine, op.slot), op.model_id)
     log.info(
         "adopted %s from lost group %s into slot %d in %.0f ms (snapshot %s, %d later units of that group)",
         op.model_id,
@@ -226,6 +218,20 @@ def replay_adoption(executor: Executor, unit_id: str, op: AdoptSlot) -> None:
     """Recovery of this group: the takeover's rebuilt state, from its file."""
     path = adopted_path(executor.data_dir, op.model_id, unit_id)
     if path.exists():
-        paging.restore(executor.engine, op.slot, paging.decode(path))
+        slots.restore(executor.engine, op.slot, files.read(path)[1])
     elif not op.fresh:
         raise AdoptionError(f"the state adopted for {op.model_id} by unit {unit_id} is missing ({path})")
+
+
+class Takeovers:
+    """The executor's ``adopt``: what each lost group's files and streams say (``gather``, set by
+    the service before a takeover unit runs), and the rebuild or its replay."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Source] = {}  # by lost group
+
+    def __call__(self, executor: Executor, unit_id: str, op: AdoptSlot, replaying: bool) -> None:
+        if replaying:
+            replay_adoption(executor, unit_id, op)
+        else:
+            rebuild(executor, unit_id, op, self.sources[op.from_group])

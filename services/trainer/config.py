@@ -34,6 +34,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host_page_budget_bytes: int = 8 << 30
     """Paged-out models' state kept in host memory; beyond it the oldest go to disk (a cache:
     recovery never needs it, see paging.py)."""
+    save_writers: int = 4
+    """Saves whose files are written at once, behind the unit path (each holds a host copy of its
+    slot until its files are fsynced); a unit that would start one more waits for the oldest."""
     unit_timeout_s: float = 900.0
     """A unit still running after this long means a wedged trainer (a hung kernel, a deadlock):
     the trainer exits, is restarted by its supervisor, and the unit is delivered again."""

@@ -1,10 +1,16 @@
-"""What one unit does to the engine: a pure function of the unit and the slots' state.
+"""What one unit does to the engine, the page store and the saves it starts.
 
 ``Executor.execute`` runs in the trainer's worker thread. It dispatches over the unit and op
-unions with ``match``; every op answers with an ``OpOutcome``, and a save or an export also
-yields a ``PublishCommand`` for the publisher. ``replaying`` is True while recovery
-re-executes units whose outcomes already exist: the slot state is rebuilt, but no file is
-written and nothing is handed off a second time.
+unions with ``match``; every op answers with an ``OpOutcome``. A save or an export copies the
+slot and yields a ``PendingSave`` (``state/checkpoints.py``) whose files the service writes in
+the background and hands to the publisher. A barrier's ops run in ``barrier_order``.
+``replaying`` is True while recovery re-executes units whose outcomes already exist: the slot
+state is rebuilt, and nothing is written or handed off a second time, except the saves named in
+``redo`` (their files never reached the publisher before a crash).
+
+A takeover (``AdoptSlot``) runs the ``adopt`` callable the service gives the executor
+(services/trainer/adoption.py, which replays a lost group's units on this executor through
+``run_work`` and ``run_op``); this module never imports it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import msgspec
@@ -22,7 +29,6 @@ from libs.contracts.common import now_ns
 from libs.contracts.events import ModelPagedIn, ModelPagedOut, OperationEvent
 from libs.contracts.ids import HANDOFF
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
-from libs.contracts.publish import PublishCommand
 from libs.contracts.work import (
     AdoptSlot,
     BarrierUnit,
@@ -42,18 +48,46 @@ from libs.contracts.work import (
     WorkUnit,
 )
 from libs.faults import crash_point
-from services.trainer import adoption
-from services.trainer.checkpoint_files import StorageError, write_checkpoint
 from services.trainer.engine import DatumInput, DatumOutput, TrainerEngine
-from services.trainer.paging import Moved, PageStore
 from services.trainer.slot_state import SlotState
-from services.trainer.state_io import read_training_state
+from services.trainer.state import checkpoints
+from services.trainer.state.checkpoints import PendingSave, read_training_state
+from services.trainer.state.paging import Moved, PageStore
 
 log = logging.getLogger("tinkerd.trainer")
 
 
 class UserError(Exception):
     """The caller's mistake (a checkpoint of another base model, ...): category ``user``."""
+
+
+class ReportedError(Exception):
+    """A server-side failure whose message is written for the caller (category ``server``)."""
+
+
+Adopt = Callable[["Executor", str, AdoptSlot, bool], None]
+"""Runs a takeover op: (executor, unit id, op, replaying). Raises ``ReportedError`` when the
+model's state cannot be rebuilt."""
+
+
+def _no_adoption(executor: Executor, unit_id: str, op: AdoptSlot, replaying: bool) -> None:
+    raise ReportedError(f"this trainer cannot take over model {op.model_id} (no takeover configured)")
+
+
+def barrier_phases(ops: list[SlotOp]) -> tuple[list[SlotOp], list[StepSlot], list[SlotOp]]:
+    """A barrier's ops in the three phases a trainer runs them in: a takeover unit's page-outs
+    and adoptions first (the steps it runs again need the adopted state); then the optimizer
+    steps, fused in one call; then every other op in order."""
+    adopts = [i for i, op in enumerate(ops) if isinstance(op, AdoptSlot)]
+    first = list(ops[: adopts[-1] + 1]) if adopts else []
+    rest = ops[len(first) :]
+    return first, [op for op in rest if isinstance(op, StepSlot)], [op for op in rest if not isinstance(op, StepSlot)]
+
+
+def barrier_order(ops: list[SlotOp]) -> list[SlotOp]:
+    """The order ``barrier_phases`` runs a barrier's ops in, as one list."""
+    first, steps, rest = barrier_phases(ops)
+    return [*first, *steps, *rest]
 
 
 def _read_state(directory: Path) -> tuple[SlotState, TrainingStateMeta]:
@@ -72,28 +106,33 @@ def default_seed(model_id: str) -> int:
 class Executor:
     """Applies units to the engine; keeps which model owns which slot, and the paged-out ones."""
 
-    def __init__(self, engine: TrainerEngine, base_model: str, data_dir: Path, pages: PageStore) -> None:
+    def __init__(
+        self, engine: TrainerEngine, base_model: str, data_dir: Path, pages: PageStore, adopt: Adopt = _no_adoption
+    ) -> None:
         self.engine = engine
         self.base_model = base_model
         self.data_dir = data_dir
         self.pages = pages
+        self.adopt = adopt
         self.slot_models: dict[int, str] = {}
         self.events: list[OperationEvent] = []  # emitted by the service after the unit
-        # what a takeover unit reads, by lost group (adoption.gather, set by the service first)
-        self.adoptions: dict[str, adoption.Source] = {}
 
-    def execute(self, unit: Unit, replaying: bool) -> tuple[Outcome, list[PublishCommand]]:
+    def execute(
+        self, unit: Unit, replaying: bool, redo: Collection[str] = ()
+    ) -> tuple[Outcome, list[PendingSave]]:
+        """Run ``unit``; its outcome and the saves it started (``redo``: see the module doc)."""
         started = now_ns()
         if not replaying:
             crash_point("trainer.executing")  # fault tests: killed or wedged mid-unit
         match unit:
             case WorkUnit():
-                return self._work(unit, started), []
+                return self.run_work(unit, started), []
             case BarrierUnit():
-                return self._barrier(unit, replaying, started)
+                return self._barrier(unit, replaying, redo, started)
 
     # --- forward_backward / forward ------------------------------------------------------
-    def _work(self, unit: WorkUnit, started: int) -> WorkOutcome:
+    def run_work(self, unit: WorkUnit, started: int = 0) -> WorkOutcome:
+        """A forward_backward / forward unit's datums on their slots."""
         datums = [
             DatumInput(
                 slot=item.slot,
@@ -128,20 +167,15 @@ class Executor:
             )
         return WorkOutcome(unit_id=unit.unit_id, datums=results, started_ns=started, finished_ns=now_ns())
 
-    # --- barriers: steps first (one fused call), then every other op in order ------------
+    # --- barriers: in barrier_order, the steps fused in one call ---------------------------
     def _barrier(
-        self, unit: BarrierUnit, replaying: bool, started: int
-    ) -> tuple[BarrierOutcome, list[PublishCommand]]:
+        self, unit: BarrierUnit, replaying: bool, redo: Collection[str], started: int
+    ) -> tuple[BarrierOutcome, list[PendingSave]]:
         outcomes: list[OpOutcome] = []
-        publishes: list[PublishCommand] = []
-        # A takeover unit first pages out its victims and adopts its models (in order): the steps
-        # it runs again need the adopted state.
-        adopts = [i for i, op in enumerate(unit.ops) if isinstance(op, AdoptSlot)]
-        first = unit.ops[: adopts[-1] + 1] if adopts else []
+        saves: list[PendingSave] = []
+        first, steps, rest = barrier_phases(unit.ops)
         for op in first:
-            outcome, publish = self._guarded(unit, op, replaying)
-            outcomes.append(outcome)
-        steps = [op for op in unit.ops if isinstance(op, StepSlot)]
+            outcomes.append(self._guarded(unit, op, replaying, redo, saves))
         if steps:
             try:
                 outcomes += self._steps(steps)
@@ -161,34 +195,42 @@ class Executor:
                     )
                     for step in steps
                 ]
-        for op in unit.ops[len(first) :]:
-            if isinstance(op, StepSlot):
-                continue
-            outcome, publish = self._guarded(unit, op, replaying)
-            outcomes.append(outcome)
-            if publish is not None:
-                publishes.append(publish)
-        return BarrierOutcome(
-            unit_id=unit.unit_id, ops=outcomes, started_ns=started, finished_ns=now_ns()
-        ), publishes
+        for op in rest:
+            outcomes.append(self._guarded(unit, op, replaying, redo, saves))
+        return BarrierOutcome(unit_id=unit.unit_id, ops=outcomes, started_ns=started, finished_ns=now_ns()), saves
 
-    def _guarded(self, unit: BarrierUnit, op: SlotOp, replaying: bool) -> tuple[OpOutcome, PublishCommand | None]:
+    def _guarded(
+        self, unit: BarrierUnit, op: SlotOp, replaying: bool, redo: Collection[str], saves: list[PendingSave]
+    ) -> OpOutcome:
         """One op; what it raises becomes its failed outcome (the unit's other ops still run)."""
         try:
-            return self._op(unit, op, replaying)
+            if isinstance(op, (SaveSlot, ExportSlot)):
+                return self._save(unit, op, replaying, redo, saves)
+            return self.run_op(unit, op, replaying)
         except Exception as exc:
             log.exception("op %s of unit %s failed", type(op).__name__, unit.unit_id)
-            clear = isinstance(exc, (UserError, StorageError, adoption.AdoptionError))
-            return (
-                OpOutcome(
-                    model_id=op.model_id,
-                    request_id=op.request_id,
-                    ok=False,
-                    error=str(exc) if clear else f"{type(exc).__name__}: {exc}",
-                    category="user" if isinstance(exc, UserError) else "server",
-                ),
-                None,
+            clear = isinstance(exc, (UserError, ReportedError))
+            return OpOutcome(
+                model_id=op.model_id,
+                request_id=op.request_id,
+                ok=False,
+                error=str(exc) if clear else f"{type(exc).__name__}: {exc}",
+                category="user" if isinstance(exc, UserError) else "server",
             )
+
+    def _save(
+        self,
+        unit: BarrierUnit,
+        op: SaveSlot | ExportSlot,
+        replaying: bool,
+        redo: Collection[str],
+        saves: list[PendingSave],
+    ) -> OpOutcome:
+        """Copy the slot for the save (its files are written behind the unit path); the publisher
+        answers its future once they are fsynced."""
+        if not replaying or op.request_id in redo:
+            saves.append(checkpoints.prepare(self.engine, self.base_model, self.data_dir, unit.unit_id, op))
+        return _handed_off(op)
 
     def _steps(self, steps: list[StepSlot]) -> list[OpOutcome]:
         reports = self.engine.optim_step({op.slot: op.adam for op in steps})
@@ -216,7 +258,8 @@ class Executor:
                 )
         return out
 
-    def _op(self, unit: BarrierUnit, op: object, replaying: bool) -> tuple[OpOutcome, PublishCommand | None]:
+    def run_op(self, unit: BarrierUnit, op: object, replaying: bool) -> OpOutcome:
+        """One op of a barrier other than a save (``execute`` runs those); raises on failure."""
         match op:
             case InitSlot(restore=None):
                 lora = op.lora
@@ -249,16 +292,13 @@ class Executor:
                 self.slot_models[op.slot] = op.model_id
                 self._moved(ModelPagedIn, op, moved)
             case AdoptSlot():
-                if replaying:
-                    adoption.replay_adoption(self, unit.unit_id, op)
-                else:
-                    adoption.rebuild(self, unit.unit_id, op, self.adoptions[op.from_group])
+                self.adopt(self, unit.unit_id, op, replaying)
                 self.pages.drop(op.model_id)  # a stale copy from an earlier stay here
                 if op.slot in self.engine.pool.configs:
                     self.slot_models[op.slot] = op.model_id
                 return OpOutcome(
                     model_id=op.model_id, request_id=op.request_id, ok=True, info={"adopted_from": op.from_group}
-                ), None
+                )
             case DropPaged():
                 self.pages.drop(op.model_id)
             case DiscardSlot(reason=reason):
@@ -267,21 +307,16 @@ class Executor:
                     f"{reason}: this window's gradients were discarded and no step was applied; resubmit the "
                     "batch's forward_backward calls, then optim_step again"
                 )
-                return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=False, error=error), None
+                return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=False, error=error)
             case FailRequest(error=error, category=category):
                 return OpOutcome(
                     model_id=op.model_id, request_id=op.request_id, ok=False, error=error, category=category
-                ), None
-            case SaveSlot() | ExportSlot():
-                if replaying:  # the files and the publication already happened
-                    return _handed_off(op), None
-                publish = write_checkpoint(self.engine, self.base_model, self.data_dir, unit.unit_id, op)
-                return _handed_off(op), publish
+                )
             case _:
                 raise TypeError(f"unknown op {type(op).__name__}")
         if isinstance(op, InitSlot):
             self.slot_models[op.slot] = op.model_id
-        return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=True), None
+        return OpOutcome(model_id=op.model_id, request_id=op.request_id, ok=True)
 
     def _moved(self, event: type[ModelPagedOut] | type[ModelPagedIn], op: PageOut | PageIn, moved: Moved) -> None:
         self.events.append(

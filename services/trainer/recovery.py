@@ -4,6 +4,9 @@ Slot state is a fold over the group's work stream: the newest internal snapshot 
 under the data directory, ``snapshots.py``) covers the units up to its work sequence; every
 later unit that already has an outcome is re-executed without emitting anything. CPU fp32 is
 deterministic, so the adapters, optimizer moments and pending gradients come back exactly.
+A save whose unit has an outcome but whose request has no result yet (the trainer died before
+its files were written and handed to the publisher: they are written behind the unit path) is
+redone from the replayed state, which is the state it copied (``Recovered.saves``).
 Recovery also collects the units another group's takeover abandoned (`AdoptSlot.abandoned` of
 units on any group's work subject, `from_group` this one): the service skips them when they are
 redelivered (services/trainer/adoption.py).
@@ -19,12 +22,13 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 
-from infra.bus import Bus, last_seq, replay
+from infra.bus import Bus, has_message, last_seq, replay
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts.work import AdoptSlot, BarrierUnit, Unit
-from services.trainer import snapshots
+from libs.contracts.work import AdoptSlot, BarrierUnit, ExportSlot, SaveSlot, Unit
 from services.trainer.execute import Executor
+from services.trainer.state import snapshots
+from services.trainer.state.checkpoints import PendingSave
 
 log = logging.getLogger("tinkerd.trainer")
 
@@ -38,6 +42,7 @@ class Recovered:
     base_seq: int = 0  # the snapshot's work sequence (0: none)
     last_work_seq: int = 0
     replayed: int = 0
+    saves: list[PendingSave] = field(default_factory=list)  # saves to write again, in order
 
 
 async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> Recovered:
@@ -86,9 +91,23 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
     # Takeovers of this group's models (while it was lost) come after its snapshot: the units
     # they abandoned are skipped from now on (services/trainer/adoption.py).
     await replay(bus, s.STREAM_WORK, s.WORK_ALL, work_last, on_any_unit, from_seq=state.base_seq + 1)
+    redo = await unanswered_saves(bus, [unit for _, unit in units])
     for seq, unit in units:
-        await asyncio.to_thread(executor.execute, unit, True)
+        _, saves = await asyncio.to_thread(executor.execute, unit, True, redo)
+        state.saves += saves
         state.last_work_seq = seq
     executor.events.clear()  # replayed page moves were reported when they first ran
     state.replayed = len(units)
     return state
+
+
+async def unanswered_saves(bus: Bus, units: list[Unit]) -> set[str]:
+    """The request ids of the saves in ``units`` that have no result yet."""
+    requests = [
+        op.request_id
+        for unit in units
+        if isinstance(unit, BarrierUnit)
+        for op in unit.ops
+        if isinstance(op, (SaveSlot, ExportSlot))
+    ]
+    return {rid for rid in requests if not await has_message(bus, s.STREAM_RESULTS, s.result_subject(rid))}

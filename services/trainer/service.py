@@ -1,10 +1,12 @@
 """The trainer service: executes units from its group's work subject, in order, exactly once.
 
 This module is the consuming loop: it pulls one unit at a time from the group's durable,
-runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, publishes
-the saves' ``PublishCommand``s and then the outcome, acks, and takes a snapshot now and then:
-the unit path waits only while the slots' state is copied to host memory; the snapshot is
-written on a background thread while the next units run (``snapshots.py``), one at a time.
+runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, hands the
+saves it copied to the background writer (``saves.py``: each save's ``PublishCommand`` goes out
+once its files are fsynced), publishes the outcome, acks, and takes a snapshot now and then: the
+unit path waits only while the slots' state is copied to host memory; the snapshot is written on
+a background thread while the next units run (``state/snapshots.py``), one at a time, and never
+while a save is being written (recovery must replay a save that was not handed off).
 Start-up rebuilds the slots first (``recovery.py``); a unit whose outcome already exists is
 only acked, so a redelivery never has a second effect.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -38,12 +41,14 @@ from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit
 from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
 from services.trainer import adoption, group
-from services.trainer import snapshots as trainer_snapshots
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
-from services.trainer.paging import PageStore
 from services.trainer.recovery import recover
+from services.trainer.saves import BackgroundSaves
+from services.trainer.state import snapshots as trainer_snapshots
+from services.trainer.state.checkpoints import PendingSave
+from services.trainer.state.paging import PageStore
 
 log = logging.getLogger("tinkerd.trainer")
 
@@ -58,7 +63,9 @@ class TrainerService:
         self.base_model = base_model
         self.data_dir = Path(config.data_dir).expanduser().resolve()
         pages = PageStore(self.data_dir / "trainer" / config.group / "paged", config.host_page_budget_bytes)
-        self.executor = Executor(engine, base_model, self.data_dir, pages)
+        self.takeovers = adoption.Takeovers()
+        self.executor = Executor(engine, base_model, self.data_dir, pages, adopt=self.takeovers)
+        self.saves = BackgroundSaves(self._hand_off, config.save_writers)
         self.trainer_id = config.trainer_id or f"{config.group}-{socket.gethostname()}-{os.getpid()}"
         self.completed: set[str] = set()
         self.abandoned: set[str] = set()  # this group's units another group took over (skipped)
@@ -83,6 +90,8 @@ class TrainerService:
         self.completed = state.completed
         self.abandoned = state.abandoned
         self.snapshot_work_seq, self.last_work_seq = state.base_seq, state.last_work_seq
+        for save in state.saves:  # never handed off before the restart: written now
+            await self.saves.submit(save)
         return state.replayed
 
     # --- the loop ---------------------------------------------------------------------------
@@ -97,6 +106,8 @@ class TrainerService:
         try:
             await fetch_loop(sub, self._on_units, stop, batch=1, wait_s=1.0)
         finally:
+            await self.saves.drain()  # every save copied is written and handed off
+            self.saves.close()
             await self._finish_snapshot(wait=True)  # a snapshot being written is completed
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -127,20 +138,16 @@ class TrainerService:
                 with tracing.span(
                     "trainer.execute", unit.traceparent, unit_id=unit.unit_id, trainer=self.trainer_id
                 ) as ctx:
-                    outcome, publishes = await self._run_with_watchdog(unit)
+                    outcome, saves = await self._run_with_watchdog(unit)
             finally:
                 working.cancel()
             executed = time.perf_counter()
             for event in self.executor.events:
                 self.bus.emit_soon(event)
             self.executor.events.clear()
-            publishes = [msgspec.structs.replace(p, traceparent=ctx) for p in publishes]
-            for publish in publishes:
-                await self.bus.publish(
-                    s.publish_subject(publish.model_id), codec.pack(publish), msg_id=publish.request_id
-                )
-            if publishes:
-                crash_point("trainer.save_handed_off")  # fault tests: published, no outcome yet
+            for save in saves:  # written behind the unit path; handed off once fsynced
+                command = msgspec.structs.replace(save.command, traceparent=ctx)
+                await self.saves.submit(dataclasses.replace(save, command=command))
             await self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
@@ -164,16 +171,21 @@ class TrainerService:
                 )
             )
 
+    async def _hand_off(self, command: PublishCommand) -> None:
+        """A save's files are fsynced: the publisher makes them a version and answers the save."""
+        await self.bus.publish(s.publish_subject(command.model_id), codec.pack(command), msg_id=command.request_id)
+
     async def _gather_adoptions(self, unit: Unit) -> None:
         """Before a takeover unit: read what each lost group's files and streams say (adoption.py)."""
-        self.executor.adoptions = {}
+        sources = self.takeovers.sources
+        sources.clear()
         if not isinstance(unit, BarrierUnit):
             return
         for op in unit.ops:
-            if isinstance(op, AdoptSlot) and op.from_group not in self.executor.adoptions:
+            if isinstance(op, AdoptSlot) and op.from_group not in sources:
                 started = time.perf_counter()
                 source = await adoption.gather(self.bus, self.data_dir, op.from_group, op.abandoned)
-                self.executor.adoptions[op.from_group] = source
+                sources[op.from_group] = source
                 log.info(
                     "taking over from lost group %s: read its streams in %.0f ms (snapshot %s, %d units after it)",
                     op.from_group,
@@ -182,7 +194,7 @@ class TrainerService:
                     len(source.units),
                 )
 
-    async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PublishCommand]]:
+    async def _run_with_watchdog(self, unit: Unit) -> tuple[Outcome, list[PendingSave]]:
         """Execute in a worker thread; a unit that outlives `unit_timeout_s` ends the process.
 
         A wedged compute thread cannot be cancelled, and the event loop would go on reporting
@@ -206,8 +218,8 @@ class TrainerService:
         """Between two units: complete a finished background write, and start a snapshot when one
         is due and none is being written."""
         await self._finish_snapshot(wait=False)
-        if self._writing is not None:
-            return
+        if self._writing is not None or self.saves.pending:
+            return  # a snapshot must not cover a save whose files are not handed off yet
         due_steps = self.steps_since_snapshot >= self.config.snapshot_every_steps
         due_time = time.monotonic() - self.last_snapshot_at >= self.config.snapshot_every_s
         if not (due_steps or (due_time and self.steps_since_snapshot)):

@@ -1,6 +1,8 @@
 """Export and import one slot's complete training state, independent of the TP size.
 
-``SlotState`` holds the slot's config, step counter, adapter tensors and AdamW moments.  Tensors
+``SlotState`` is the one type of a model's training state outside its slot: config, step
+counter, adapter tensors, AdamW moments and, when it was taken with them, the accumulated
+gradients and whether they are pending (an optimizer step has not consumed them yet).  Tensors
 are in the *full* megatron layout (TP=1: ``linear_qkv`` rows interleaved per GQA group,
 ``linear_fc1`` as ``[gate; up]``), cut to the slot's rank, on CPU, keyed like
 ``decoder.layers.0.self_attention.linear_qkv.lora_A``.
@@ -32,6 +34,13 @@ class SlotState:
     adapter: dict[str, torch.Tensor]
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # empty: not taken (or none)
+    pending: bool = False  # gradients accumulated since the last optimizer step
+
+    @property
+    def nbytes(self) -> int:
+        tables = (self.adapter, self.exp_avg, self.exp_avg_sq, self.grads)
+        return sum(t.numel() * t.element_size() for table in tables for t in table.values())
 
 
 def _host_copy(value: torch.Tensor) -> torch.Tensor:

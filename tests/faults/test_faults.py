@@ -100,9 +100,9 @@ def test_trainer_killed_mid_window(tmp_path: Path, reference: dict[int, TenantRu
 
 
 def test_trainer_killed_in_every_phase(tmp_path: Path, reference: dict[int, TenantRun]) -> None:
-    """The trainer dies mid-unit (computing), mid-write of a checkpoint file (its staging copy, or an
-    internal snapshot), after handing a save to the publisher but before its outcome, and after
-    appending an outcome but before acknowledging the unit."""
+    """The trainer dies mid-unit (computing), mid-write of a checkpoint file (its staging copy,
+    written behind the unit path, or an internal snapshot), right after handing a save to the
+    publisher, and after appending an outcome but before acknowledging the unit."""
     points = (
         "trainer.executing@3",
         "trainer.checkpoint_write@2",

@@ -23,9 +23,10 @@ from libs.contracts.work import (
     UnitItem,
     WorkUnit,
 )
-from services.trainer import adoption, paging, snapshots
+from services.trainer import adoption
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
+from services.trainer.state import paging, slots, snapshots
 
 HP = AdamParams(learning_rate=5e-3)
 VOCAB = 2048  # tiny-qwen3
@@ -49,7 +50,8 @@ class Group:
     def __init__(self, qwen_dir: Path, data_dir: Path, name: str) -> None:
         engine = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=2, max_lora_rank=8))
         pages = paging.PageStore(data_dir / "trainer" / name / "paged", 1 << 40)
-        self.executor = Executor(engine, "tiny-qwen3", data_dir, pages)
+        self.takeovers = adoption.Takeovers()
+        self.executor = Executor(engine, "tiny-qwen3", data_dir, pages, adopt=self.takeovers)
         self.name, self.data_dir = name, data_dir
         self.units: list[tuple[int, Unit]] = []
         self.n = 0
@@ -71,13 +73,16 @@ class Group:
         return snapshots.take(ex.engine, dict(ex.slot_models), ex.pages, self.data_dir, self.name, self.n)
 
     def state(self, slot: int) -> dict[str, torch.Tensor]:
-        captured = paging.capture(self.executor.engine, slot, "m")
-        return captured.tensors | {"step": torch.tensor(captured.meta.step), "pending": torch.tensor(captured.meta.pending)}
+        captured = slots.capture(self.executor.engine, slot)
+        tables = {"adapter": captured.adapter, "exp_avg": captured.exp_avg, "exp_avg_sq": captured.exp_avg_sq}
+        tables["grad"] = captured.grads
+        tensors = {f"{t}.{k}": v for t, table in tables.items() for k, v in table.items()}
+        return tensors | {"step": torch.tensor(captured.step), "pending": torch.tensor(captured.pending)}
 
 
 def adopt(group: Group, source: adoption.Source, model: str, slot: int, lost: str = "a") -> BarrierOutcome:
     op = AdoptSlot(model_id=model, request_id=f"{model}:page", slot=slot, from_group=lost)
-    group.executor.adoptions = {lost: source}
+    group.takeovers.sources = {lost: source}
     outcome, _ = group.executor.execute(BarrierUnit(unit_id="u9000", group=group.name, ops=[op]), False)
     assert isinstance(outcome, BarrierOutcome)
     return outcome
@@ -145,7 +150,7 @@ def test_a_model_with_no_snapshot_is_rebuilt_from_every_unit_and_one_with_no_sta
     (failed,) = adopt(b, source, "ghost", 1).ops
     assert not failed.ok and "no state of model ghost" in (failed.error or "") and "group a" in (failed.error or "")
     fresh = AdoptSlot(model_id="ghost", request_id="ghost:page", slot=1, from_group="a", fresh=True)
-    b.executor.adoptions = {"a": source}
+    b.takeovers.sources = {"a": source}
     outcome, _ = b.executor.execute(BarrierUnit(unit_id="u9001", group="b", ops=[fresh]), False)
     assert isinstance(outcome, BarrierOutcome) and [op.ok for op in outcome.ops] == [True]
     assert 1 not in b.executor.slot_models

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer import paging, snapshots
 from services.trainer.engine import AdamParams, EngineConfig, LoraConfig, TrainerEngine
+from services.trainer.state import paging, snapshots
 from services.trainer.tests.helpers import ce_datum
 
 HP = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)

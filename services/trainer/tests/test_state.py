@@ -115,7 +115,7 @@ def test_a_checkpoint_of_an_older_lora_shape_is_refused_naming_its_format(
     import msgspec
 
     from libs.checkpoints import state_format as fmt
-    from services.trainer.state_io import read_training_state, training_state_files
+    from services.trainer.state.checkpoints import read_training_state, training_state_files
 
     engine.init_slot(0, LoraConfig(rank=2, seed=1))
     state = engine.get_slot_state(0)

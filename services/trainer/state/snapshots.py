@@ -1,8 +1,8 @@
 """Internal snapshots of the trainer's state, so that recovery replays only the units after one.
 
 A snapshot captures, for each occupied slot, the model it serves and its complete training
-state (adapter, AdamW moments and step counter, accumulated gradients), every paged-out model's
-state the same way, and the work-stream sequence of the last unit it includes. Restoring it and
+state (a ``SlotState`` with its gradients, ``slots.capture``, one file each: ``files.py``), every
+paged-out model's state the same way, and the work-stream sequence of the last unit it includes. Restoring it and
 re-executing the later units (those that have outcomes) reproduces the trainer's state bit for
 bit. Snapshots are written atomically; the last two are kept.
 
@@ -45,8 +45,9 @@ import msgspec
 from libs.checkpoints import layout
 from libs.checkpoints.state_format import FORMAT_VERSION
 from libs.contracts.ids import token
-from services.trainer import paging
 from services.trainer.engine import TrainerEngine
+from services.trainer.slot_state import SlotState
+from services.trainer.state import files, paging, slots
 
 KEEP = 2
 INDEX = "slots.json"
@@ -74,7 +75,7 @@ class Captured:
     """A snapshot's contents, held in host memory until ``write`` puts them on disk."""
 
     index: SnapshotIndex
-    slots: dict[int, paging.PagedState]  # the slots copied to host memory
+    slots: dict[int, SlotState]  # the slots copied to host memory
     links: dict[str, Path]  # paged model id -> a hard link to its file as captured, in `hold`
     hold: Path  # removed by ``write``
     # an unchanged slot -> a link to its file in an earlier snapshot, in `hold`
@@ -110,10 +111,8 @@ def capture(
     for slot, source in unchanged.items():
         reused[slot] = _hold_link(source, hold / f"slot-{slot}.safetensors")
     engine.snapshot_buffers.retain(set(slot_models))
-    slots = {
-        slot: paging.capture(engine, slot, model_id, for_snapshot=True)
-        for slot, model_id in sorted(slot_models.items())
-        if slot not in reused
+    copies = {
+        slot: slots.capture(engine, slot, for_snapshot=True) for slot in sorted(slot_models) if slot not in reused
     }
     links: dict[str, Path] = {}
     for model_id in store.models:
@@ -125,7 +124,7 @@ def capture(
         FORMAT_VERSION,
         {slot: versions[slot] for slot in sorted(slot_models) if slot in versions},
     )
-    return Captured(index, slots, links, hold, reused)
+    return Captured(index, copies, links, hold, reused)
 
 
 def _hold_link(source: Path, held: Path) -> Path:
@@ -167,12 +166,15 @@ def _unchanged(
 def write(captured: Captured, data_dir: Path, group: str) -> Path:
     """Write the snapshot's directory atomically (any thread); returns it."""
     try:
-        files = {f"slot-{slot}.safetensors": paging.encode(state) for slot, state in captured.slots.items()}
-        files[INDEX] = msgspec.json.encode(captured.index)
+        index = captured.index
+        contents: dict[str, layout.FileData] = {
+            f"slot-{slot}.safetensors": files.encode(state, index.slots[slot]) for slot, state in captured.slots.items()
+        }
+        contents[INDEX] = msgspec.json.encode(index)
         links = {_paged_file(model_id): path for model_id, path in captured.links.items()}
         links |= {f"slot-{slot}.safetensors": path for slot, path in captured.reused.items()}
-        final = root(data_dir, group) / f"{captured.index.work_seq:012d}"
-        return layout.write_dir_atomically(final, files, links=links)
+        final = root(data_dir, group) / f"{index.work_seq:012d}"
+        return layout.write_dir_atomically(final, contents, links=links)
     finally:
         shutil.rmtree(captured.hold, ignore_errors=True)
 
@@ -226,7 +228,7 @@ def restore(engine: TrainerEngine, store: paging.PageStore, directory: Path) -> 
             f"reads format {FORMAT_VERSION}"
         )
     for slot in index.slots:
-        paging.restore(engine, slot, paging.decode(directory / f"slot-{slot}.safetensors"))
+        slots.restore(engine, slot, files.read(directory / f"slot-{slot}.safetensors")[1])
     for model_id in index.paged:
         store.adopt(model_id, directory / _paged_file(model_id))
     return index.work_seq, dict(index.slots)
@@ -245,7 +247,7 @@ def read_index(directory: Path) -> SnapshotIndex:
     return msgspec.json.decode((directory / INDEX).read_bytes(), type=SnapshotIndex)
 
 
-def model_state(directory: Path, model_id: str) -> tuple[paging.PagedState | None, bool]:
+def model_state(directory: Path, model_id: str) -> tuple[SlotState | None, bool]:
     """One model's complete training state as the snapshot holds it (None if it holds none), and
     whether it was resident (in a slot) rather than paged out."""
     index = read_index(directory)
@@ -256,7 +258,7 @@ def model_state(directory: Path, model_id: str) -> tuple[paging.PagedState | Non
         )
     for slot, held in index.slots.items():
         if held == model_id:
-            return paging.decode(directory / f"slot-{slot}.safetensors"), True
+            return files.read(directory / f"slot-{slot}.safetensors")[1], True
     if model_id in index.paged:
-        return paging.decode(directory / _paged_file(model_id)), False
+        return files.read(directory / _paged_file(model_id))[1], False
     return None, False

@@ -1,93 +1,30 @@
 """Paged-out models: their complete training state, outside the adapter slots.
 
 A model that holds no slot (the planner paged it out to make room, see
-``services/planner/planner.py``) keeps everything it needs to resume exactly: LoRA weights,
-AdamW moments and step, accumulated gradients and whether they are pending. ``capture``
-takes that state out of a slot, ``restore`` puts it into one; on CPU fp32 training after a
-round trip is bit-identical to training that never left its slot.
+``services/planner/planner.py``) keeps everything it needs to resume exactly: its ``SlotState``
+with gradients and whether they are pending (``slots.capture``); ``slots.restore`` puts it back.
 
 ``PageStore`` holds the captured states: in host memory up to ``host_budget_bytes``, and
-the least recently paged-out ones beyond it as files under ``DATA/trainer/<group>/paged/``.
-Neither copy has to survive a crash: recovery restores the newest snapshot, which holds
-every paged model of its time (``snapshots.take``), and replays the page-outs after it.
+the least recently paged-out ones beyond it as files (``files.py``) under
+``DATA/trainer/<group>/paged/``. Neither copy has to survive a crash: recovery restores the
+newest snapshot, which holds every paged model of its time (``snapshots.take``), and replays the
+page-outs after it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-import torch
-from safetensors.torch import load_file, save
-
-from libs.contracts.common import LoraConfig
 from libs.contracts.ids import token
 from services.trainer.engine import TrainerEngine
 from services.trainer.slot_state import SlotState
+from services.trainer.state import files, slots
 
 log = logging.getLogger("tinkerd.trainer")
-
-
-class PagedMeta(msgspec.Struct, frozen=True):
-    """What the tensors of a paged state do not say themselves."""
-
-    model_id: str
-    lora: LoraConfig
-    step: int
-    pending: bool  # gradients accumulated since the last optim_step
-
-
-@dataclass
-class PagedState:
-    meta: PagedMeta
-    tensors: dict[str, torch.Tensor]  # adapter.*, exp_avg.*, exp_avg_sq.*, grad.*
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-def capture(engine: TrainerEngine, slot: int, model_id: str, for_snapshot: bool = False) -> PagedState:
-    """The slot's complete training state (CPU tensors, copies). ``for_snapshot``: the copies are
-    in the engine's ``snapshot_buffers``, valid until the next snapshot's capture of the slot."""
-    state = engine.get_slot_state(slot, for_snapshot=for_snapshot)
-    tensors = {f"adapter.{k}": v for k, v in state.adapter.items()}
-    tensors |= {f"exp_avg.{k}": v for k, v in state.exp_avg.items()}
-    tensors |= {f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()}
-    tensors |= {f"grad.{k}": v for k, v in engine.get_slot_grads(slot, for_snapshot=for_snapshot).items()}
-    meta = PagedMeta(model_id, state.config, state.step, engine.has_pending_grads(slot))
-    return PagedState(meta, tensors)
-
-
-def restore(engine: TrainerEngine, slot: int, paged: PagedState) -> None:
-    """Put a captured state into ``slot``, replacing whatever it held."""
-
-    def part(prefix: str) -> dict[str, torch.Tensor]:
-        return {k.removeprefix(prefix): v for k, v in paged.tensors.items() if k.startswith(prefix)}
-
-    meta = paged.meta  # set_slot_state replaces everything: no fresh (random) init needed first
-    state = SlotState(meta.lora, meta.step, part("adapter."), part("exp_avg."), part("exp_avg_sq."))
-    engine.set_slot_state(slot, state, with_optimizer=True)
-    engine.set_slot_grads(slot, part("grad."), meta.pending)
-
-
-def encode(paged: PagedState) -> bytes:
-    """One safetensors file: the tensors, and the meta as its metadata."""
-    tensors = {k: v.contiguous() for k, v in paged.tensors.items()}
-    return save(tensors, metadata={"tinkerd": msgspec.json.encode(paged.meta).decode()})
-
-
-def decode(path: Path) -> PagedState:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = msgspec.json.decode(f.metadata()["tinkerd"], type=PagedMeta)
-    return PagedState(meta, load_file(str(path)))
 
 
 @dataclass(frozen=True)
@@ -105,7 +42,7 @@ class PageStore:
     def __init__(self, root: Path, host_budget_bytes: int) -> None:
         self.root = root
         self.host_budget_bytes = host_budget_bytes
-        self._host: OrderedDict[str, PagedState] = OrderedDict()  # oldest page-out first
+        self._host: OrderedDict[str, SlotState] = OrderedDict()  # oldest page-out first
         self._files: dict[str, Path] = {}
 
     def __contains__(self, model_id: str) -> bool:
@@ -121,7 +58,7 @@ class PageStore:
 
     def page_out(self, engine: TrainerEngine, slot: int, model_id: str) -> Moved:
         started = time.perf_counter()
-        paged = capture(engine, slot, model_id)
+        paged = slots.capture(engine, slot)
         engine.release_slot(slot)
         self.drop(model_id)
         self._host[model_id] = paged
@@ -132,8 +69,8 @@ class PageStore:
     def page_in(self, engine: TrainerEngine, slot: int, model_id: str) -> Moved:
         started = time.perf_counter()
         where = "host" if model_id in self._host else "disk"
-        paged = self._host.pop(model_id, None) or decode(self._files[model_id])
-        restore(engine, slot, paged)
+        paged = self._host.pop(model_id, None) or files.read(self._files[model_id])[1]
+        slots.restore(engine, slot, paged)
         self.drop(model_id)
         return Moved(paged.nbytes, (time.perf_counter() - started) * 1000, where)
 
@@ -141,14 +78,15 @@ class PageStore:
         """Write the paged state (just paged out) to ``path`` durably (fsync), for another trainer
         group to page in: the hand-over of a model between groups (a shared directory)."""
         paged = self._host.get(model_id)
-        data = encode(paged) if paged is not None else self._files[model_id].read_bytes()
-        _write(path, data, sync=True)
+        if paged is None:
+            paged = files.read(self._files[model_id])[1]
+        files.write(path, paged, model_id, sync=True)
 
     def page_in_from(self, engine: TrainerEngine, slot: int, model_id: str, path: Path) -> Moved:
         """Page in a state another group exported to ``path``; any copy of this store is stale."""
         started = time.perf_counter()
-        paged = decode(path)
-        restore(engine, slot, paged)
+        _, paged = files.read(path)
+        slots.restore(engine, slot, paged)
         self.drop(model_id)
         return Moved(paged.nbytes, (time.perf_counter() - started) * 1000, "disk")
 
@@ -162,7 +100,7 @@ class PageStore:
         """The file a paged state lives in (it may also be in host memory), if it has one."""
         return self._files.get(model_id)
 
-    def state_of(self, model_id: str) -> PagedState | None:
+    def state_of(self, model_id: str) -> SlotState | None:
         """The paged state, when it is in host memory."""
         return self._host.get(model_id)
 
@@ -173,7 +111,7 @@ class PageStore:
         path = self._files.get(model_id)
         if path is None:
             path = self.root / f"{token(model_id)}.safetensors"
-            _write(path, encode(self._host[model_id]))
+            files.write(path, self._host[model_id], model_id, sync=False)  # a cache: no fsync
             self._files[model_id] = path
         return path
 
@@ -198,21 +136,3 @@ class PageStore:
             held -= self._host.pop(model_id).nbytes
             spilled.add(model_id)
         return spilled
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Write a state file whole or not at all, and fsync it (another group may read it next)."""
-    _write(path, data, sync=True)
-
-
-def _write(path: Path, data: bytes, sync: bool = False) -> None:
-    """Written whole or not at all. A cache file needs no fsync (a crash loses nothing it needs);
-    an export (``sync``) does: another group reads it after this one acknowledged the page-out."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,0 +1,68 @@
+"""The background save writer (services/trainer/saves.py): a save is handed over only once its
+files are fsynced, a held write of one model delays neither another model's save nor the caller,
+and one model's saves are handed over in the order they were submitted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from libs.checkpoints import layout
+from libs.contracts.common import LoraConfig
+from libs.contracts.publish import PublishCommand
+from libs.faults import fired, release
+from services.trainer.saves import BackgroundSaves
+from services.trainer.state.checkpoints import PendingSave
+
+HOLD = ".checkpoint_write@1:hold"  # the first file written in this process (no service name here)
+
+
+def pending(data_dir: Path, model_id: str, unit_id: str) -> PendingSave:
+    staging = layout.staging_dir(data_dir, unit_id, f"{model_id}:save")
+    command = PublishCommand(
+        kind="training",
+        staging_dir=str(staging),
+        base_model="tiny-qwen3",
+        lora=LoraConfig(rank=2),
+        version=unit_id,
+        model_id=model_id,
+        request_id=f"{model_id}:{unit_id}",
+        tenant="t",
+        at_ns=0,
+    )
+    return PendingSave({"adapter.safetensors": b"x" * 64, "state.json": b"{}"}, staging, command, 0.0)
+
+
+def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model m's first save is held mid-file: n's save, submitted after it, is handed over while
+    m's is still unwritten, m's second save only after m's first, and each only with its files."""
+    faults = tmp_path / "faults"
+    monkeypatch.setenv("TINKERD_FAULT_POINTS", HOLD)
+    monkeypatch.setenv("TINKERD_FAULT_DIR", str(faults))
+    handed: list[str] = []
+    complete: dict[str, bool] = {}
+
+    async def main() -> None:
+        arrived = asyncio.Queue[str]()
+
+        async def publish(command: PublishCommand) -> None:
+            complete[command.request_id] = (Path(command.staging_dir) / "state.json").exists()
+            handed.append(command.request_id)
+            arrived.put_nowait(command.request_id)
+
+        saves = BackgroundSaves(publish, limit=4)
+        await saves.submit(pending(tmp_path, "m", "u1"))  # held half-way through its first file
+        await saves.submit(pending(tmp_path, "m", "u2"))
+        await saves.submit(pending(tmp_path, "n", "u3"))
+        assert await asyncio.wait_for(arrived.get(), 30) == "n:u3"
+        assert saves.pending == 2 and handed == ["n:u3"]
+        release(HOLD, faults)
+        await asyncio.wait_for(saves.drain(), 30)
+        saves.close()
+
+    asyncio.run(main())
+    assert fired(HOLD, faults)
+    assert handed == ["n:u3", "m:u1", "m:u2"]
+    assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"
