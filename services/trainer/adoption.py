@@ -34,9 +34,9 @@ import msgspec
 from nats.aio.msg import Msg
 
 from infra.bus import Bus, last_seq, replay
+from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts.ids import token
 from libs.contracts.work import (
     AdoptSlot,
     BarrierUnit,
@@ -84,7 +84,7 @@ def barrier_order(ops: list[SlotOp]) -> list[SlotOp]:
 
 def adopted_path(data_dir: Path, model_id: str, unit_id: str) -> Path:
     """Where the takeover unit `unit_id` writes the state it rebuilt for `model_id`."""
-    return data_dir / "trainer" / "adopted" / token(model_id) / f"{unit_id}.safetensors"
+    return layout.adopted_file(data_dir, model_id, unit_id)
 
 
 async def gather(bus: Bus, data_dir: Path, lost: str, abandoned: list[str]) -> Source:
