@@ -1,7 +1,7 @@
 """Taking over a model of a lost trainer group (`AdoptSlot`): its state rebuilt from files alone.
 
-The planner decides a takeover when a group stopped reporting (services/planner/planner.py,
-`_takeover_unit`); a live group of the same base runs the unit. For each `AdoptSlot` this
+The planner decides a takeover when a group stopped reporting (services/planner/takeover.py,
+`takeover_unit`); a live group of the same base runs the unit. For each `AdoptSlot` this
 trainer rebuilds the model, alone, in its new slot from the lost group's durable data:
 
 1. ``gather`` (async, on the bus): the lost group's units that count, i.e. every unit on its work
