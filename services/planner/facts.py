@@ -36,6 +36,9 @@ class OutcomeArrived(msgspec.Struct, frozen=True, tag="outcome"):
 
 Fact = CommandArrived | UnitEmitted | OutcomeArrived
 
+DEFAULT_GROUP = "default"
+"""The trainer group of a planner told about none, and of a unit that names no group."""
+
 Member = tuple[str, str, int]
 """(model_id, request_id, datum index) of a unit's item; index -1 for a barrier op."""
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.planner.facts import DEFAULT_GROUP
 from services.planner.streams import ModelStream
-
-DEFAULT_GROUP = "default"
 
 
 @dataclass

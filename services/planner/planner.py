@@ -67,11 +67,11 @@ class Planner:
     def __init__(
         self,
         num_slots: int,
-        token_budget: int = 16_384,
+        token_budget: int = Limits.token_budget,
         state: PlannerState | None = None,
-        max_units_in_flight: int = 0,
+        max_units_in_flight: int = Limits.max_units_in_flight,
     ) -> None:
-        self.state = state or PlannerState()
+        self.state = state if state is not None else PlannerState()
         self.limits = Limits(token_budget=token_budget, max_units_in_flight=max_units_in_flight)
         # The trainer groups decisions may use (from their heartbeats); one default group else.
         self.groups: Groups = {DEFAULT_GROUP: GroupInfo(num_slots)}
@@ -110,7 +110,11 @@ class Planner:
 
     @classmethod
     def restore(
-        cls, data: bytes, num_slots: int, token_budget: int = 16_384, max_units_in_flight: int = 0
+        cls,
+        data: bytes,
+        num_slots: int,
+        token_budget: int = Limits.token_budget,
+        max_units_in_flight: int = Limits.max_units_in_flight,
     ) -> Planner:
         """A planner on the state of `snapshot()`; the inputs are today's, not the snapshot's."""
         state = msgspec.msgpack.decode(data, type=PlannerState)

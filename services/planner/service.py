@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, Literal
 
 import msgspec
@@ -65,6 +66,13 @@ def command_fact(msg: Msg) -> Fact:
 
 def outcome_fact(msg: Msg) -> Fact:
     return OutcomeArrived(codec.outcome_decoder.decode(msg.data))
+
+
+BATCHES: dict[Stream, tuple[Callable[[Msg], Fact], str]] = {
+    "requests": (command_fact, "planner.requests_planned"),  # fault point: units appended, not acked
+    "outcomes": (outcome_fact, "planner.outcomes_folded"),  # fault point: results appended, not acked
+}
+"""Per consumed stream: its message as a fact, and the fault point between advancing and acking."""
 
 
 class Phases:
@@ -179,8 +187,8 @@ class PlannerService:
         log.info("planner ready")
         tasks: list[asyncio.Future[Any]] = [
             self.hold.start(),
-            asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
-            asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
+            asyncio.create_task(fetch_loop(requests, partial(self._on_batch, stream="requests"), stop, wait_s=0.5)),
+            asyncio.create_task(fetch_loop(outcomes, partial(self._on_batch, stream="outcomes"), stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
             asyncio.create_task(self._learn_groups(stop)),
         ]
@@ -197,15 +205,9 @@ class PlannerService:
                 # A loop that died must not leave a live-looking planner: exit, be restarted, replay.
                 raise RuntimeError("a planner loop failed") from task.exception()
 
-    async def _on_requests(self, msgs: list[Msg]) -> None:
-        await self._on_batch(msgs, command_fact, "requests", "planner.requests_planned")
-
-    async def _on_outcomes(self, msgs: list[Msg]) -> None:
-        await self._on_batch(msgs, outcome_fact, "outcomes", "planner.outcomes_folded")
-
-    async def _on_batch(self, msgs: list[Msg], to_fact: Callable[[Msg], Fact], stream: Stream, crash: str) -> None:
-        """Fold a batch of one stream, advance, and only then ack it (what it caused is durable);
-        `crash` is the fault point between the two (fault tests: appended, not acked)."""
+    async def _on_batch(self, msgs: list[Msg], stream: Stream) -> None:
+        """Fold a batch of one stream, advance, and only then ack it (what it caused is durable)."""
+        to_fact, crash = BATCHES[stream]
         phases = Phases(f"{stream.removesuffix('s')} batch ({len(msgs)})")
         async with self._lock:
             phases.mark("lock wait")

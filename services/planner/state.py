@@ -35,6 +35,7 @@ from libs.contracts.work import (
 )
 from services.planner.completions import Completion
 from services.planner.facts import (
+    DEFAULT_GROUP,
     CommandArrived,
     Fact,
     Member,
@@ -43,7 +44,6 @@ from services.planner.facts import (
     unit_id,
     unit_number,
 )
-from services.planner.inputs import DEFAULT_GROUP
 from services.planner.streams import ModelStream, Pending
 
 
