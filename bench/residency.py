@@ -168,7 +168,8 @@ def oversubscription(total_steps: int) -> tuple[list[dict[str, Any]], list[str]]
 
 # --- 3. the planner's cost per decision ----------------------------------------------------
 def decision_cost(idle: int, active: int, reps: int) -> dict[str, Any]:
-    from services.planner.planner import CommandArrived, OutcomeArrived, Planner, UnitEmitted
+    from services.planner.facts import CommandArrived, OutcomeArrived, UnitEmitted
+    from services.planner.planner import Planner
     from services.planner.tests.sim import create, fb, trainer_outcome
 
     planner = Planner(num_slots=16, token_budget=16_384)

@@ -1,7 +1,15 @@
-"""Where checkpoints live under the data root, and the atomic file and directory writes.
+"""Every path under the data root, and the atomic file and directory writes.
 
     DATA/checkpoints/<run>/<segment>/<name>           -> a relative symlink to a version
     DATA/checkpoints/<run>/<segment>/.versions/<name>@<version>/   immutable contents
+    DATA/samplers/<sampler>/<version>/                 an ephemeral sampler export
+    DATA/staging/<unit>-<request>/                     a save's files, before the publisher takes them
+    DATA/trainer/<group>/paged/                        a group's page store (paged-out models)
+    DATA/trainer/<group>/snapshots/                    a group's internal snapshots
+    DATA/trainer/exports/<model>/<unit>.safetensors    a page-out's export (another group may page it in)
+    DATA/trainer/adopted/<model>/<unit>.safetensors    a takeover's rebuilt state
+
+Ids in names go through `ids.token` (`:` becomes `=`). Nothing else builds these paths.
 
 A version directory is written under a temporary name, every file and the directory are fsynced,
 then it is renamed into place; only then is the public name switched, by renaming a fresh symlink
@@ -18,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from libs.contracts.ids import token
 from libs.faults import crash_point, service_point
 
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
@@ -52,6 +61,26 @@ def ephemeral_dir(data_dir: Path, sampler_id: str, version: str) -> Path:
 
 def staging_dir(data_dir: Path, unit_id: str, request_id: str) -> Path:
     return data_dir / "staging" / f"{unit_id}-{_fs_token(request_id)}"
+
+
+def page_store_dir(data_dir: Path, group: str) -> Path:
+    return data_dir / "trainer" / group / "paged"
+
+
+def trainer_snapshots_dir(data_dir: Path, group: str) -> Path:
+    return data_dir / "trainer" / group / "snapshots"
+
+
+def export_file(model_id: str, unit_id: str) -> str:
+    """Where a page-out exports a model's state, relative to the data root (it travels in the
+    unit): one file per page-out, so a later page-in on another group, and its replay, read
+    exactly that one."""
+    return f"trainer/exports/{token(model_id)}/{unit_id}.safetensors"
+
+
+def adopted_file(data_dir: Path, model_id: str, unit_id: str) -> Path:
+    """The state a takeover unit rebuilt for `model_id`, written before its outcome."""
+    return data_dir / "trainer" / "adopted" / token(model_id) / f"{unit_id}.safetensors"
 
 
 def fsync_dir(path: Path) -> None:

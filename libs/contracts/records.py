@@ -6,6 +6,8 @@ state only in memory.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from libs.contracts.common import LoraConfig
@@ -51,12 +53,16 @@ class SeqClaim(msgspec.Struct, kw_only=True, frozen=True):
     status: int = 200
 
 
+QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
+"""The SDK's queue state of a pending future: "active" (it runs), or why it cannot start yet."""
+
+
 class QueueRecord(msgspec.Struct, kw_only=True, frozen=True):
     """A request that is accepted but cannot start yet (create_model with no free slot, a sample
     whose sampling engine is unreachable)."""
 
     request_id: str
-    queue_state: str  # the SDK's QueueState: "paused_capacity" | "paused_rate_limit"
+    queue_state: QueueState  # a paused state: only requests that cannot start have a record
     reason: str = ""
     since_ns: int = 0
 

@@ -27,6 +27,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from infra.answers import answer
 from infra.bus import fetch_failed
 from infra.streams import sample_runner_durable
 from libs.contracts import codec
@@ -34,7 +35,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted
 from libs.contracts.records import InflightTarget, QueueRecord, SamplerRecord
-from libs.contracts.results import Failure, RequestResult, ResultBody, SampleResult
+from libs.contracts.results import Failure, ResultBody, SampleResult
 from libs.contracts.sampling import SampleJob
 from libs.faults import crash_point
 from services.gateway import sglang
@@ -44,7 +45,6 @@ from services.gateway.engines import Adapter
 log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0
 PROGRESS_EVERY_S = 5.0
-PAUSED_CAPACITY = "paused_capacity"
 
 
 
@@ -135,21 +135,19 @@ class SampleRunner:
                     error=f"the sampling engine was unreachable for {waited:.0f}s: {type(exc).__name__}: {exc}",
                     category="server",
                 )
-            result = RequestResult(
+            if isinstance(body, SampleResult):  # metered before it is answered (counted once per id)
+                await self.gateway.bus.emit(usage_event(job, body))
+            await answer(  # a job that ran twice (redelivered) still has one result: the first
+                self.gateway.bus,
                 kind="sample",
                 body=body,
                 tenant=job.tenant,
                 model_id=job.sampler_id,
                 request_id=job.request_id,
                 seq_id=job.seq_id,
-                at_ns=now_ns(),
                 traceparent=job.traceparent,
+                announce="none",  # its `completed` is the metered usage event above
             )
-            if isinstance(body, SampleResult):  # metered before it is answered (counted once per id)
-                await self.gateway.bus.emit(usage_event(job, body))
-            await self.gateway.bus.publish_once(
-                s.result_subject(job.request_id), codec.pack(result), msg_id=job.request_id
-            )  # a job that ran twice (redelivered) still has one result: the first
             await msg.ack()
             if msg.metadata.num_delivered > 1:  # a replica that died waiting may have left a record
                 await self._resumed(job)
@@ -228,7 +226,7 @@ class SampleRunner:
         )
         log.warning("sample %s waits: engine %s unavailable (%s)", job.request_id, exc.url, exc.reason)
         record = QueueRecord(
-            request_id=job.request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
+            request_id=job.request_id, queue_state="paused_capacity", reason=reason, since_ns=now_ns()
         )
         with contextlib.suppress(Exception):  # the wait itself does not depend on the record
             await self.gateway.store.put(s.KV_QUEUE, s.token(job.request_id), record)

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from libs.contracts.common import AdamParams, LoraConfig
+from libs.contracts.records import QueueState
 from libs.contracts.results import (
     CreateModelResponse as CreateModelResponse,
 )
@@ -77,7 +78,6 @@ from services.gateway.admin_wire import (
 )
 
 Metadata = dict[str, Any]
-QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
 CheckpointType = Literal["training", "sampler", "external"]
 _MASK_LOGPROB = -99999.0  # an empty top-k cell: token 0 with this logprob
 

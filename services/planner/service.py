@@ -1,4 +1,6 @@
-"""The planner service: folds the request and outcome streams, emits units, publishes results.
+"""The planner service: its I/O. It reads the request and outcome streams, appends units and
+results, and writes the queue records and model summaries; every decision is the pure core's
+(planner.py and the modules it names).
 
 Start-up is a replay through the same `Planner.apply` the live path uses: the newest snapshot (if
 any), then every request, every unit and every outcome after the snapshot's positions, up to each
@@ -7,6 +9,10 @@ stream's last sequence. Results of requests that the replay finds finished are a
 published have no second effect). Then live consumption through the two durable consumers; what
 they redeliver was folded by the replay already and has no effect. Invariant: a message is acked
 only after everything it caused is durable (units appended, results appended).
+
+Accepted to unit: `_on_batch` folds each message (`Planner.apply` → `state.evolve`), then
+`_advance` asks `decide.decide` for units and appends each (`_emit_unit`), unless the coalescing
+hold (hold.py) keeps one back a few milliseconds.
 """
 
 from __future__ import annotations
@@ -15,43 +21,58 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from infra import tracing
+from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop, kv_scan, last_seq, replay
 from infra.streams import ensure_streams, planner_durables
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.events import RequestCompleted, RequestFailed, SlotAssigned, UnitPlanned
+from libs.contracts.events import SlotAssigned, UnitPlanned
 from libs.contracts.records import ModelQueueRecord, QueueRecord, SeqClaim, TrainerStatus
 from libs.contracts.requests import Rejected
-from libs.contracts.results import Failure, RequestResult
 from libs.contracts.work import AdoptSlot, BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from libs.faults import crash_point
 from services.planner import snapshot
+from services.planner.completions import Completion
 from services.planner.config import PlannerConfig
-from services.planner.planner import (
-    PAUSED_CAPACITY,
-    WAIT_GROUP,
-    CommandArrived,
-    Completion,
-    GroupInfo,
-    OutcomeArrived,
-    Planner,
-    UnitEmitted,
-)
+from services.planner.decide import WAIT_GROUP
+from services.planner.facts import CommandArrived, Fact, OutcomeArrived, UnitEmitted
+from services.planner.hold import Hold
+from services.planner.inputs import GroupInfo
+from services.planner.planner import Planner
 from services.planner.snapshot import PlannerSnapshot, Positions
 from services.planner.streams import SEALED
 
 log = logging.getLogger("tinkerd.planner")
 
 SLOW_BATCH_MS = 50.0  # a batch whose handling takes longer is logged with its phases
+
+Stream = Literal["requests", "outcomes"]
+
+
+def command_fact(msg: Msg) -> Fact:
+    return CommandArrived(codec.command_decoder.decode(msg.data), msg.metadata.sequence.stream, now_ns())
+
+
+def outcome_fact(msg: Msg) -> Fact:
+    return OutcomeArrived(codec.outcome_decoder.decode(msg.data))
+
+
+BATCHES: dict[Stream, tuple[Callable[[Msg], Fact], str]] = {
+    "requests": (command_fact, "planner.requests_planned"),  # fault point: units appended, not acked
+    "outcomes": (outcome_fact, "planner.outcomes_folded"),  # fault point: results appended, not acked
+}
+"""Per consumed stream: its message as a fact, and the fault point between advancing and acking."""
 
 
 class Phases:
@@ -99,25 +120,23 @@ class PlannerService:
         self._snapshot_due_ns = 0
         self._slots_known = False  # until the group's trainer reported its slot count
         self._replayed: list[Completion] = []  # finished requests found by the replay
-        # Coalescing (see _holding), per group: the models of its last work unit, when a hold ends.
-        self._cohorts: dict[str, frozenset[str]] = {}
-        self._holds: dict[str, int] = {}
-        self._hold_timers: set[asyncio.Task[None]] = set()
-        self._timer_failed: asyncio.Future[None] | None = None  # set by a failed hold timer (run)
+        self.hold = Hold(config.coalesce_ms, self._end_hold)
 
     async def start(self) -> None:
         await ensure_consumers(self.bus)
         saved = await snapshot.load(self.bus, self.config.trainer_group)
         if saved is not None:
             try:
-                self.planner = Planner.restore(saved.state)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:  # an older state format
+                self.planner = Planner.restore(
+                    saved.state,
+                    num_slots=self.config.num_slots,
+                    token_budget=self.config.token_budget,
+                    max_units_in_flight=self.config.max_units_in_flight,
+                )
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:  # an unreadable state
                 log.warning("planner snapshot cannot be read (%s); replaying the streams in full", exc)
                 saved = None
         if saved is not None:
-            self.planner.state.num_slots = self.config.num_slots
-            self.planner.state.token_budget = self.config.token_budget
-            self.planner.state.max_units_in_flight = self.config.max_units_in_flight
             self._positions = saved.positions
         replay_ns = now_ns()  # a hole found on replay gets a full gap timeout from now
 
@@ -166,18 +185,16 @@ class PlannerService:
             await self._publish_completions(self._replayed)
             await self._advance()  # anything the replay left plannable
         log.info("planner ready")
-        self._timer_failed = asyncio.get_running_loop().create_future()
         tasks: list[asyncio.Future[Any]] = [
-            self._timer_failed,
-            asyncio.create_task(fetch_loop(requests, self._on_requests, stop, wait_s=0.5)),
-            asyncio.create_task(fetch_loop(outcomes, self._on_outcomes, stop, wait_s=0.5)),
+            self.hold.start(),
+            asyncio.create_task(fetch_loop(requests, partial(self._on_batch, stream="requests"), stop, wait_s=0.5)),
+            asyncio.create_task(fetch_loop(outcomes, partial(self._on_batch, stream="outcomes"), stop, wait_s=0.5)),
             asyncio.create_task(self._seal_gaps(stop)),
             asyncio.create_task(self._learn_groups(stop)),
         ]
         stopping: asyncio.Future[Any] = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for timer in list(self._hold_timers):
-            timer.cancel()
+        self.hold.cancel()
         for task in [stopping, *tasks]:
             task.cancel()
         for task in [stopping, *tasks]:
@@ -188,38 +205,20 @@ class PlannerService:
                 # A loop that died must not leave a live-looking planner: exit, be restarted, replay.
                 raise RuntimeError("a planner loop failed") from task.exception()
 
-    async def _on_requests(self, msgs: list[Msg]) -> None:
-        phases = Phases(f"request batch ({len(msgs)})")
+    async def _on_batch(self, msgs: list[Msg], stream: Stream) -> None:
+        """Fold a batch of one stream, advance, and only then ack it (what it caused is durable)."""
+        to_fact, crash = BATCHES[stream]
+        phases = Phases(f"{stream.removesuffix('s')} batch ({len(msgs)})")
         async with self._lock:
             phases.mark("lock wait")
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
-                command = codec.command_decoder.decode(msg.data)
-                self.planner.apply(CommandArrived(command, seq, now_ns()))
-                self._positions = msgspec.structs.replace(
-                    self._positions, requests=max(self._positions.requests, seq)
-                )
+                self.planner.apply(to_fact(msg))
+                folded = max(getattr(self._positions, stream), seq)
+                self._positions = msgspec.structs.replace(self._positions, **{stream: folded})
             phases.mark("fold")
             await self._advance(phases)
-            crash_point("planner.requests_planned")  # fault tests: units appended, requests not acked
-            for msg in msgs:
-                await msg.ack()
-            phases.mark("ack")
-        phases.report()
-
-    async def _on_outcomes(self, msgs: list[Msg]) -> None:
-        phases = Phases(f"outcome batch ({len(msgs)})")
-        async with self._lock:
-            phases.mark("lock wait")
-            for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                self.planner.apply(OutcomeArrived(codec.outcome_decoder.decode(msg.data)))
-                self._positions = msgspec.structs.replace(
-                    self._positions, outcomes=max(self._positions.outcomes, seq)
-                )
-            phases.mark("fold")
-            await self._advance(phases)
-            crash_point("planner.outcomes_folded")  # fault tests: results appended, outcomes not acked
+            crash_point(crash)
             for msg in msgs:
                 await msg.ack()
             phases.mark("ack")
@@ -240,8 +239,7 @@ class PlannerService:
             self.planner.apply(UnitEmitted(unit))
             await self._emit_unit(unit)
             if isinstance(unit, WorkUnit):
-                self._cohorts[unit.group] = frozenset(item.model_id for item in unit.items)
-                self._holds.pop(unit.group, None)
+                self.hold.emitted(unit)
         phases.mark("decide and emit")
         await self._publish_completions(self.planner.collect())
         phases.mark("results")
@@ -253,48 +251,12 @@ class PlannerService:
         phases.mark("snapshot")
 
     def _holding(self, unit: WorkUnit, now: int) -> bool:
-        """Whether to hold `unit` back, so that tenants stepping in lockstep share one unit.
-
-        Eight tenants sending forward_backward at the same moment reach the planner milliseconds
-        apart; planned on arrival, the first would run alone and the other seven after it. So
-        while nothing of its group is in flight, a work unit waits for the models packed with
-        that group's last work unit that have not sent their next call yet: until they all
-        have, or `coalesce_ms` after the hold began. A model that does not come drops out of the
-        cohort with the unit that leaves without it, so a tenant training alone never waits.
-        Timing only: what is decided stays `decide()`'s, and replay never holds.
-        """
-        group = unit.group
-        cohort = self._cohorts.get(group, frozenset())
-        if (
-            self.config.coalesce_ms <= 0
-            or len(cohort) < 2
-            or group in self.planner.state.inflight_group.values()
-            or not self.planner.awaited(cohort)
-        ):
-            self._holds.pop(group, None)
-            return False
-        until = self._holds.get(group)
-        if until is None:
-            until = self._holds[group] = now + int(self.config.coalesce_ms * 1e6)
-            timer = asyncio.create_task(self._end_hold(group, until))
-            self._hold_timers.add(timer)
-            timer.add_done_callback(self._hold_ended)
-        return now < until
-
-    def _hold_ended(self, timer: asyncio.Task[None]) -> None:
-        """A timer's `_advance` that failed (a publish timing out) ends the planner, as a failed
-        loop does: a unit applied but never appended must not sit in the in-flight count."""
-        self._hold_timers.discard(timer)
-        failed = self._timer_failed
-        if failed is None or failed.done() or timer.cancelled():
-            return
-        if (exc := timer.exception()) is not None:
-            failed.set_exception(exc)
+        """Whether the coalescing hold keeps `unit` back (hold.py; timing only)."""
+        return self.hold.holding(unit, now, self.planner.state)
 
     async def _end_hold(self, group: str, until_ns: int) -> None:
-        await asyncio.sleep(max(0.0, (until_ns - time.monotonic_ns()) / 1e9))  # a deadline, not synchronisation
         async with self._lock:
-            if self._holds.get(group) == until_ns:
+            if self.hold.due(group, until_ns):
                 await self._advance()
 
     async def _maybe_snapshot(self) -> None:
@@ -349,7 +311,7 @@ class PlannerService:
                     "in flight; waiting for one of them to finish, then this model gets its slot"
                 )
             record = QueueRecord(
-                request_id=request_id, queue_state=PAUSED_CAPACITY, reason=reason, since_ns=now_ns()
+                request_id=request_id, queue_state="paused_capacity", reason=reason, since_ns=now_ns()
             )
             await kv.put(s.token(request_id), codec.to_json(record))
             log.info("%s waits: %s", request_id, reason)
@@ -360,7 +322,7 @@ class PlannerService:
 
     async def _emit_unit(self, unit: Unit) -> None:
         with tracing.span(
-            "planner.unit", unit.traceparent, links=self.planner.unit_traces(unit), unit_id=unit.unit_id
+            "planner.unit", unit.traceparent, links=self.planner.state.unit_traces(unit), unit_id=unit.unit_id
         ) as ctx:
             unit = msgspec.structs.replace(unit, traceparent=ctx, at_ns=now_ns())
             ack = await self.bus.publish(
@@ -424,48 +386,21 @@ class PlannerService:
 
     async def _publish_completions(self, completions: list[Completion]) -> None:
         for done in completions:
-            cmd = done.pending.command
-            if done.body is None:
+            cmd, body = done.pending.command, done.body
+            if body is None:
                 continue  # the publisher answers this one
-            result = RequestResult(
+            crash_point("planner.result_publishing")  # fault tests: die with results half-published
+            await answer(  # answered before a crash: a replay's completion has no second effect
+                self.bus,
                 kind=done.pending.kind,
-                body=done.body,
+                body=body,
                 tenant=cmd.tenant,
                 model_id=done.model_id,
                 request_id=cmd.request_id,
                 seq_id=cmd.seq_id,
-                at_ns=now_ns(),
                 traceparent=cmd.traceparent,
+                started_ns=cmd.at_ns,
             )
-            crash_point("planner.result_publishing")  # fault tests: die with results half-published
-            if not await self.bus.publish_once(
-                s.result_subject(cmd.request_id), codec.pack(result), msg_id=cmd.request_id
-            ):
-                continue  # published before a crash: a replay's completion has no second effect
-            duration_ms = (now_ns() - cmd.at_ns) / 1e6 if cmd.at_ns else 0.0
-            if isinstance(done.body, Failure):
-                event: RequestCompleted | RequestFailed = RequestFailed(
-                    kind=done.pending.kind,
-                    error=done.body.error,
-                    category=done.body.category,
-                    duration_ms=duration_ms,
-                    model_id=done.model_id,
-                    request_id=cmd.request_id,
-                    seq_id=cmd.seq_id,
-                    tenant=cmd.tenant,
-                    at_ns=now_ns(),
-                )
-            else:
-                event = RequestCompleted(
-                    kind=done.pending.kind,
-                    duration_ms=duration_ms,
-                    model_id=done.model_id,
-                    request_id=cmd.request_id,
-                    seq_id=cmd.seq_id,
-                    tenant=cmd.tenant,
-                    at_ns=now_ns(),
-                )
-            self.bus.emit_soon(event)
 
     async def _learn_groups(self, stop: asyncio.Event) -> None:
         """Learn the trainer groups from their trainers' heartbeats (`tinker_trainers`): each
@@ -518,7 +453,6 @@ class PlannerService:
                         group, info.base_model, info.num_slots, "live" if info.live else "LOST (no heartbeat)",
                     )
             planner.groups = groups
-            planner.state.num_slots = sum(info.num_slots for info in groups.values())
             self._slots_known = True
             await self._advance()
 

@@ -5,6 +5,11 @@ outcomes with a higher stream sequence), so start-up time is bounded by the snap
 not by the age of the log, and a model stays known after its commands have aged out of the
 request stream's retention. The snapshot is a cache of a fold: deleting it costs a full replay,
 never correctness. Stored as one object in the JetStream object store `tinker_snapshots`.
+
+The state holds facts only: the trainer groups and the limits (`num_slots`, `token_budget`,
+`max_units_in_flight`) are today's settings, given on restore. A snapshot whose state still
+carries those three fields restores as it is (the decoder ignores them), so the format has no
+version number; one that cannot be decoded costs a full replay.
 """
 
 from __future__ import annotations

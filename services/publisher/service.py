@@ -25,19 +25,19 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from infra import tracing
+from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import age, layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.events import CheckpointPublished, RequestCompleted, RequestFailed
+from libs.contracts.events import CheckpointPublished
 from libs.contracts.ids import TinkerPath
 from libs.contracts.publish import PublishCommand
 from libs.contracts.records import CheckpointRecord, InflightTarget, SamplerRecord
 from libs.contracts.results import (
     Failure,
-    RequestResult,
     ResultBody,
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
@@ -225,45 +225,17 @@ class PublisherService:
         )
 
     async def _answer(self, p: PublishCommand, body: ResultBody) -> None:
-        kind = "save_weights" if p.kind == "training" else "save_weights_for_sampler"
-        result = RequestResult(
-            kind=kind,
+        await answer(  # a redelivered or repeated publication was answered before: no effect
+            self.bus,
+            kind="save_weights" if p.kind == "training" else "save_weights_for_sampler",
             body=body,
             tenant=p.tenant,
             model_id=p.model_id,
             request_id=p.request_id,
             seq_id=p.seq_id,
-            at_ns=now_ns(),
             traceparent=p.traceparent,
+            announce="now",
         )
-        if not await self.bus.publish_once(s.result_subject(p.request_id), codec.pack(result), msg_id=p.request_id):
-            return  # answered before (a redelivered or repeated publication)
-        if isinstance(body, Failure):
-            await self.bus.emit(
-                RequestFailed(
-                    kind=kind,
-                    error=body.error,
-                    category=body.category,
-                    duration_ms=0.0,
-                    model_id=p.model_id,
-                    request_id=p.request_id,
-                    seq_id=p.seq_id,
-                    tenant=p.tenant,
-                    at_ns=now_ns(),
-                )
-            )
-        else:
-            await self.bus.emit(
-                RequestCompleted(
-                    kind=kind,
-                    duration_ms=0.0,
-                    model_id=p.model_id,
-                    request_id=p.request_id,
-                    seq_id=p.seq_id,
-                    tenant=p.tenant,
-                    at_ns=now_ns(),
-                )
-            )
 
     async def _reap(self, stop: asyncio.Event) -> None:
         """Delete checkpoints whose ttl_seconds passed (catalogue entry, public name, versions)."""

@@ -1,7 +1,7 @@
 """Taking over a model of a lost trainer group (`AdoptSlot`): its state rebuilt from files alone.
 
-The planner decides a takeover when a group stopped reporting (services/planner/planner.py,
-`_takeover_unit`); a live group of the same base runs the unit. For each `AdoptSlot` this
+The planner decides a takeover when a group stopped reporting (services/planner/takeover.py,
+`takeover_unit`); a live group of the same base runs the unit. For each `AdoptSlot` this
 trainer rebuilds the model, alone, in its new slot from the lost group's durable data:
 
 1. ``gather`` (async, on the bus): the lost group's units that count, i.e. every unit on its work
@@ -38,9 +38,9 @@ import msgspec
 from nats.aio.msg import Msg
 
 from infra.bus import Bus, last_seq, replay
+from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from libs.contracts.ids import token
 from libs.contracts.work import (
     AdoptSlot,
     BarrierUnit,
@@ -77,7 +77,7 @@ class Source:
 
 def adopted_path(data_dir: Path, model_id: str, unit_id: str) -> Path:
     """Where the takeover unit `unit_id` writes the state it rebuilt for `model_id`."""
-    return data_dir / "trainer" / "adopted" / token(model_id) / f"{unit_id}.safetensors"
+    return layout.adopted_file(data_dir, model_id, unit_id)
 
 
 async def gather(bus: Bus, data_dir: Path, lost: str, abandoned: list[str]) -> Source:

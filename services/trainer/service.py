@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop
 from infra.streams import ensure_streams, trainer_durable
+from libs.checkpoints import layout
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -62,7 +63,7 @@ class TrainerService:
         self.engine = engine
         self.base_model = base_model
         self.data_dir = Path(config.data_dir).expanduser().resolve()
-        pages = PageStore(self.data_dir / "trainer" / config.group / "paged", config.host_page_budget_bytes)
+        pages = PageStore(layout.page_store_dir(self.data_dir, config.group), config.host_page_budget_bytes)
         self.takeovers = adoption.Takeovers()
         self.executor = Executor(engine, base_model, self.data_dir, pages, adopt=self.takeovers)
         self.saves = BackgroundSaves(self._hand_off, config.save_writers)

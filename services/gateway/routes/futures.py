@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
-from libs.contracts import codec, ids
+from infra.answers import answer
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
-from libs.contracts.results import Failure, RequestResult
+from libs.contracts.results import Failure
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
@@ -63,11 +64,11 @@ async def retrieve_future(
                     f"the result of {data.request_id} expired after {gateway.config.result_retention_s:.0f}s; it is not run again"
                 )
             queued = await gateway.store.get(s.KV_QUEUE, s.token(data.request_id), QueueRecord)
-            if queued is not None and queued.queue_state in ("paused_capacity", "paused_rate_limit"):
+            if queued is not None and queued.queue_state != "active":
                 return Response(
                     w.TryAgainResponse(
                         request_id=data.request_id,
-                        queue_state=queued.queue_state,  # type: ignore[arg-type]
+                        queue_state=queued.queue_state,
                         queue_state_reason=queued.reason or None,
                     )
                 )
@@ -94,16 +95,16 @@ async def cancel_future(data: w.CancelFutureRequest, gateway: Gateway, tenant: T
     entity, _ = ids.split_request_id(data.request_id)
     if not ids.is_sampler_id(entity) or await gateway.board.lookup(data.request_id) is not None:
         return {"status": "ok"}
-    result = RequestResult(
+    await answer(
+        gateway.bus,
         kind="sample",
         body=Failure(error=CANCELLED, category="user"),
         tenant=tenant.id,
         model_id=entity,
         request_id=data.request_id,
         seq_id=claim_seq(data.request_id),
-        at_ns=now_ns(),
+        announce="none",
     )
-    await gateway.bus.publish_once(s.result_subject(data.request_id), codec.pack(result), msg_id=data.request_id)
     await gateway.bus.nc.publish(s.cancel_subject(data.request_id), b"")
     return {"status": "cancelled"}
 

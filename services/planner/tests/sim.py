@@ -37,7 +37,8 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
-from services.planner.planner import CommandArrived, Fact, OutcomeArrived, Planner, UnitEmitted
+from services.planner.facts import CommandArrived, Fact, OutcomeArrived, UnitEmitted
+from services.planner.planner import Planner
 
 DISCARDED = (
     "this window's gradients were discarded and no step was applied; resubmit the batch's "

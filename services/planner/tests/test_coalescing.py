@@ -9,7 +9,7 @@ import asyncio
 
 from libs.contracts.work import WorkUnit
 from services.planner.config import PlannerConfig
-from services.planner.planner import DEFAULT_GROUP
+from services.planner.inputs import DEFAULT_GROUP
 from services.planner.service import PlannerService
 from services.planner.tests.sim import Sim, create, fb, rid
 
@@ -19,7 +19,7 @@ MS = 1_000_000
 def service_with(sim: Sim, cohort: set[str], coalesce_ms: float = 25.0) -> PlannerService:
     service = PlannerService(bus=None, config=PlannerConfig(coalesce_ms=coalesce_ms))  # type: ignore[arg-type]
     service.planner = sim.planner
-    service._cohorts = {DEFAULT_GROUP: frozenset(cohort)}
+    service.hold.cohorts = {DEFAULT_GROUP: frozenset(cohort)}
     return service
 
 
@@ -37,8 +37,7 @@ def next_work(sim: Sim) -> WorkUnit:
 
 
 def stop_timers(service: PlannerService) -> None:
-    for timer in service._hold_timers:
-        timer.cancel()
+    service.hold.cancel()
 
 
 def test_awaited_names_cohort_models_without_ready_datums() -> None:

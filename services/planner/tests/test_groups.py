@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import msgspec
 
+from libs.checkpoints.layout import export_file
 from libs.contracts.requests import CreateModel
 from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
-from services.planner.planner import WAIT_GROUP, WAIT_SLOTS, GroupInfo, export_path
+from services.planner.decide import WAIT_GROUP, WAIT_SLOTS
+from services.planner.inputs import GroupInfo
 from services.planner.tests.sim import Sim, create, fb, optim, rid, unload
 
 
@@ -75,7 +77,7 @@ def test_a_model_paged_out_with_an_export_pages_in_on_another_group_with_a_free_
     assert isinstance(evict, BarrierUnit) and evict.group == "a"
     page_out, init = evict.ops
     assert isinstance(page_out, PageOut) and page_out.model_id == "m1"
-    assert page_out.export == export_path("m1", evict.unit_id)
+    assert page_out.export == export_file("m1", evict.unit_id)
     assert isinstance(init, InitSlot) and init.model_id == "m3"
     sim.finish(evict)
     sim.send(unload("m2", 1))
@@ -106,7 +108,7 @@ def test_with_no_free_slot_anywhere_the_least_recently_used_idle_model_of_any_gr
     page_out, page_in = barrier.ops
     assert isinstance(page_out, PageOut) and page_out.model_id == "m2"
     assert isinstance(page_in, PageIn) and page_in.model_id == "m1"
-    assert page_in.source == export_path("m1", evict.unit_id)
+    assert page_in.source == export_file("m1", evict.unit_id)
 
 
 def test_a_model_paged_out_and_back_in_on_its_own_group_reads_its_page_store() -> None:

@@ -6,7 +6,9 @@ No NATS, no trainer: `Sim` feeds commands, collects units and answers them with 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from libs.contracts.outcomes import BarrierOutcome, OpOutcome, WorkOutcome
@@ -25,13 +27,10 @@ from libs.contracts.work import (
     Unit,
     WorkUnit,
 )
-from services.planner.planner import (
-    LOAD_WITH_PENDING_GRADS,
-    CommandArrived,
-    OutcomeArrived,
-    Planner,
-    UnitEmitted,
-)
+from services.planner.facts import CommandArrived, OutcomeArrived, UnitEmitted
+from services.planner.inputs import DEFAULT_GROUP, Limits
+from services.planner.packing import LOAD_WITH_PENDING_GRADS
+from services.planner.planner import Planner
 from services.planner.streams import SEALED
 from services.planner.tests.sim import (
     DISCARDED,
@@ -78,7 +77,7 @@ def test_calls_arriving_while_a_unit_is_in_flight_coalesce_into_one_unit() -> No
     """With max_units_in_flight=1, nothing is emitted while a unit awaits its outcome; the
     forward_backward calls of three tenants that arrived meanwhile form the next unit together."""
     sim = started("a", "b", "c", "d")
-    sim.planner.state.max_units_in_flight = 1
+    sim.planner.limits = Limits(token_budget=sim.token_budget, max_units_in_flight=1)
     sim.send(fb("a", 1, [4]))
     [first] = work(sim.plan())
     assert rows(first) == [(rid("a", 1), 0)]
@@ -644,12 +643,25 @@ def test_snapshot_plus_replay_equals_full_replay() -> None:
     live = scenario()
     snaps = live_snapshots(scenario)
     full = live.replayed()
-    assert full.snapshot() == Planner.restore(full.snapshot()).snapshot()  # the encoding round-trips
+    assert full.snapshot() == Planner.restore(full.snapshot(), live.num_slots, live.token_budget).snapshot()  # the encoding round-trips
     expected = full_after(live)
     for after, snap in enumerate(snaps):
         for cut in range(after, len(live.history) + 1, 3):
-            rebuilt = check_restart_at(live, cut, Planner.restore(snap), after)
+            rebuilt = check_restart_at(live, cut, Planner.restore(snap, live.num_slots, live.token_budget), after)
             assert rebuilt.snapshot() == expected, f"snapshot {after}, cut {cut}"
+
+
+def test_a_snapshot_whose_state_carries_the_limits_restores_to_the_same_facts() -> None:
+    """The scenario's fully replayed state as encoded when `num_slots`, `token_budget` and
+    `max_units_in_flight` were fields of it (the file was written by that encoder) restores to
+    the state a full replay reaches now, and the restored planner decides by the limits it is
+    given, not by those it finds in the file."""
+    live = scenario()
+    data = (Path(__file__).parent / "data" / "scenario-state-with-limits.msgpack").read_bytes()
+    assert {"num_slots", "token_budget", "max_units_in_flight"} <= set(msgspec.msgpack.decode(data))
+    restored = Planner.restore(data, num_slots=5, token_budget=live.token_budget)
+    assert restored.state == live.replayed().state
+    assert restored.groups[DEFAULT_GROUP].num_slots == 5
 
 
 def full_after(live: Sim) -> bytes:

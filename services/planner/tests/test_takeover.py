@@ -8,7 +8,8 @@ from __future__ import annotations
 from libs.contracts.outcomes import BarrierOutcome, OpOutcome, WorkOutcome
 from libs.contracts.results import ForwardBackwardResult, OptimStepResponse
 from libs.contracts.work import AdoptSlot, BarrierUnit, InitSlot, PageOut, StepSlot, WorkUnit
-from services.planner.planner import WAIT_SLOTS, OutcomeArrived
+from services.planner.decide import WAIT_SLOTS
+from services.planner.facts import OutcomeArrived
 from services.planner.tests.sim import Sim, create, fb, optim, rid, trainer_outcome
 from services.planner.tests.test_groups import grouped
 

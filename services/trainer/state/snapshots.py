@@ -63,7 +63,7 @@ class SnapshotIndex(msgspec.Struct):
 
 
 def root(data_dir: Path, group: str) -> Path:
-    return data_dir / "trainer" / group / "snapshots"
+    return layout.trainer_snapshots_dir(data_dir, group)
 
 
 def _paged_file(model_id: str) -> str:
