@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import msgspec
@@ -266,3 +267,37 @@ def test_dimuon_is_refused_saying_its_update_rule_is_unpublished(stack: Stack) -
         S.service.create_lora_training_client(
             base_model="tiny-qwen3", rank=4, optimizer=types.DimuonOptimizerConfig()
         ).result()
+
+
+@pytest.fixture(scope="module")
+def refusing_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = Stack(
+        tmp_path_factory.mktemp("refusing"), env_overrides={"TINKERD_STABLE_REINFORCE": "refuse"}
+    ).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_the_operator_switch_refuses_stable_reinforce_with_a_clear_400(refusing_stack: Stack) -> None:
+    """`TINKERD_STABLE_REINFORCE=refuse`: the loss is a non-retryable 400 saying why; recording
+    samplers and the other losses work as before."""
+    service = tinker.ServiceClient(base_url=refusing_stack.base_url, api_key=KEY)
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=0).result()
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True)
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=PARAMS).result().sequences[0]
+    datum = recorded_datum(seq, 1.0)
+    with pytest.raises(tinker.BadRequestError, match=r"stable_reinforce' is turned off on this server \(TINKERD_STABLE_REINFORCE=refuse\)"):
+        training.forward_backward([datum], "stable_reinforce").result()
+    plain = dataclasses.replace(datum, model_input_spans=None, loss_fn_input_spans=None)
+    assert "loss:sum" in training.forward_backward([plain], "importance_sampling").result().metrics
+
+
+def test_the_switch_takes_only_serve_or_refuse() -> None:
+    from services.gateway.config import load_config
+
+    assert load_config({"TINKERD_STABLE_REINFORCE": "refuse"}).stable_reinforce == "refuse"
+    assert load_config({}).stable_reinforce == "serve"
+    with pytest.raises(SystemExit, match="stable_reinforce"):
+        load_config({"TINKERD_STABLE_REINFORCE": "maybe"})
