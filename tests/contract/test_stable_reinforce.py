@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -240,6 +241,65 @@ def test_a_refused_request_applies_nothing_and_leaves_other_tenants_undisturbed(
     S.training.optim_step(types.AdamParams(learning_rate=1e-1)).result()
     moved = S.training.forward(probe, "stable_reinforce").result()
     assert moved.loss_fn_outputs[0]["logprobs"].data != before.loss_fn_outputs[0]["logprobs"].data
+
+
+def json_datum(datum: types.Datum) -> dict[str, object]:
+    """The JSON form of a provenance-carrying datum: spans as tagged objects."""
+
+    def spans(group: types.ProvenanceSpans) -> list[dict[str, object]]:
+        return [
+            {
+                "type": "sampled_tokens" if isinstance(span, types.SampledProvenanceSpan) else "prompt_tokens",
+                "sequence_id": span.sequence_id,
+                "offset": span.offset,
+                "length": span.length,
+            }
+            for span in group
+        ]
+
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": datum.model_input.to_ints()}]},
+        "loss_fn_inputs": {
+            name: {"data": list(td.data), "dtype": td.dtype} for name, td in datum.loss_fn_inputs.items()
+        },
+        "model_input_spans": spans(datum.model_input_spans or []),
+        "loss_fn_input_spans": spans(datum.loss_fn_input_spans or []),
+    }
+
+
+def test_json_requests_resolve_provenance_like_protobuf_ones(stack: Stack) -> None:
+    """The JSON body (SDK <= 0.24 form) with spans: resolved the same way, refused the same way."""
+    model = S.service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=0).result().model_id
+    good = recorded_datum(S.sequences[0], 1.0)
+    headers = {"X-API-Key": KEY}
+
+    def post(seq_id: int, data: list[types.Datum]) -> httpx.Response:
+        body = {
+            "forward_backward_input": {"loss_fn": "stable_reinforce", "data": [json_datum(d) for d in data]},
+            "model_id": model,
+            "seq_id": seq_id,
+        }
+        return httpx.post(f"{stack.base_url}/api/v1/forward_backward", json=body, headers=headers, timeout=30)
+
+    accepted = post(1, [good])
+    assert accepted.status_code == 200, accepted.text
+    request_id = accepted.json()["request_id"]
+    result: dict[str, object] = {}
+    while "metrics" not in result:  # long-polls: each call waits for the result
+        result = httpx.post(
+            f"{stack.base_url}/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers, timeout=60
+        ).json()
+        assert "error" not in result, result
+    assert result["metrics"]["stable_reinforce/masked_sequences:sum"] == 0  # type: ignore[index]
+    unknown = with_spans(
+        good,
+        [dataclasses.replace(good.model_input_spans[0], sequence_id="nope:sample:0:0:0"), *good.model_input_spans[1:]],
+        good.loss_fn_input_spans,
+    )
+    refusal = post(2, [good, unknown])
+    assert refusal.status_code == 400
+    assert refusal.json()["category"] == "user"
+    assert "data[1].model_input_spans[0]: sequence 'nope:sample:0:0:0' is unknown" in refusal.json()["error"]
 
 
 def test_records_survive_a_gateway_restart_and_each_use_restarts_their_day(stack: Stack) -> None:
