@@ -35,7 +35,7 @@ class SequenceRecord(Envelope, tag="sequence_record", kw_only=True, frozen=True)
     sequence_id: str
     session_id: str
     sampler_id: str
-    snapshot: str  # the weights sampled with: the sampler export's path ("" for the base model)
+    snapshot: str  # the sampler export sampled with: its engine adapter name ("" for the base model)
     prompt: bytes  # int32 little-endian, the request's prompt tokens
     tokens: bytes  # int32 little-endian, the sampled tokens
     logprobs: bytes  # float32 little-endian, the engine's logprob of each sampled token

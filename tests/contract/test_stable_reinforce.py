@@ -76,9 +76,14 @@ def recorded_datum(
 
 
 def with_spans(
-    datum: types.Datum, inputs: list[types.ProvenanceSpans] | None, targets: list[types.ProvenanceSpans] | None
+    datum: types.Datum, inputs: types.ProvenanceSpans | None, targets: types.ProvenanceSpans | None
 ) -> types.Datum:
     return dataclasses.replace(datum, model_input_spans=inputs, loss_fn_input_spans=targets)
+
+
+def spans(datum: types.Datum) -> tuple[types.ProvenanceSpans, types.ProvenanceSpans]:
+    assert datum.model_input_spans is not None and datum.loss_fn_input_spans is not None
+    return datum.model_input_spans, datum.loss_fn_input_spans
 
 
 def sampled_logprobs(result: types.ForwardBackwardOutput, index: int, prompt_len: int = len(PROMPT)) -> list[float]:
@@ -144,8 +149,8 @@ def test_unknown_and_other_sessions_sequences_are_refused(stack: Stack) -> None:
     good = recorded_datum(S.sequences[0], 1.0)
     unknown = with_spans(
         good,
-        [dataclasses.replace(good.model_input_spans[0], sequence_id="nope:sample:0:0:0"), *good.model_input_spans[1:]],
-        good.loss_fn_input_spans,
+        [dataclasses.replace(spans(good)[0][0], sequence_id="nope:sample:0:0:0"), *spans(good)[0][1:]],
+        spans(good)[1],
     )
     refused([good, unknown], r"data\[1\]\.model_input_spans\[0\]: sequence 'nope:sample:0:0:0' is unknown")
     refused([unknown], r"sequence 'nope:sample:0:0:0' is unknown")
@@ -165,6 +170,7 @@ def test_an_expired_record_is_refused(stack: Stack) -> None:
         nc = await nats.connect(stack.nats_url)
         js = nc.jetstream()
         raw = await js.get_last_msg(s.STREAM_STABILITY, s.stability_subject(sid), direct=True)
+        assert raw.data is not None
         entry = codec.sequence_record_decoder.decode(raw.data)
         day_ago = now_ns() - 25 * 3600 * 10**9
         await js.publish(s.stability_subject(sid), codec.pack(msgspec.structs.replace(entry, touched_ns=day_ago)))
@@ -188,19 +194,19 @@ def test_spans_past_the_record_or_with_other_tokens_are_refused(stack: Stack) ->
     )
     longer = with_spans(
         longer,
-        [good.model_input_spans[0], dataclasses.replace(good.model_input_spans[1], length=n)],
-        [good.loss_fn_input_spans[0], dataclasses.replace(good.loss_fn_input_spans[1], length=n + 1)],
+        [spans(good)[0][0], dataclasses.replace(spans(good)[0][1], length=n)],
+        [spans(good)[1][0], dataclasses.replace(spans(good)[1][1], length=n + 1)],
     )
     refused([good, longer], rf"data\[1\]\.loss_fn_input_spans\[1\] covers \[0, {n + 1}\) of sequence .+ sampled tokens, which has {n} tokens")
     changed_prompt = dataclasses.replace(
         good, model_input=types.ModelInput.from_ints([9, *PROMPT[1:], *seq.tokens[:-1]])
     )
     refused([changed_prompt], r"data\[0\]\.model_input_spans\[0\]: model_input tokens at \[0, 4\) differ from .+ recorded prompt")
-    targets = list(good.loss_fn_inputs["target_tokens"].data)
+    targets = [int(v) for v in good.loss_fn_inputs["target_tokens"].data]
     targets[-1] = (targets[-1] + 1) % 100
     changed_target = dataclasses.replace(good, loss_fn_inputs={**good.loss_fn_inputs, "target_tokens": ints(targets)})
     refused([changed_target], r"data\[0\]\.loss_fn_input_spans\[1\]: target_tokens at .+ differ from .+ recorded sampled tokens")
-    miscount = with_spans(good, good.model_input_spans[:1], good.loss_fn_input_spans)
+    miscount = with_spans(good, spans(good)[0][:1], spans(good)[1])
     refused([miscount], r"data\[0\]\.model_input_spans cover 4 positions; model_input has")
 
 
@@ -246,7 +252,7 @@ def test_a_refused_request_applies_nothing_and_leaves_other_tenants_undisturbed(
 def json_datum(datum: types.Datum) -> dict[str, object]:
     """The JSON form of a provenance-carrying datum: spans as tagged objects."""
 
-    def spans(group: types.ProvenanceSpans) -> list[dict[str, object]]:
+    def tagged(group: types.ProvenanceSpans) -> list[dict[str, object]]:
         return [
             {
                 "type": "sampled_tokens" if isinstance(span, types.SampledProvenanceSpan) else "prompt_tokens",
@@ -262,8 +268,8 @@ def json_datum(datum: types.Datum) -> dict[str, object]:
         "loss_fn_inputs": {
             name: {"data": list(td.data), "dtype": td.dtype} for name, td in datum.loss_fn_inputs.items()
         },
-        "model_input_spans": spans(datum.model_input_spans or []),
-        "loss_fn_input_spans": spans(datum.loss_fn_input_spans or []),
+        "model_input_spans": tagged(datum.model_input_spans or []),
+        "loss_fn_input_spans": tagged(datum.loss_fn_input_spans or []),
     }
 
 
@@ -293,8 +299,8 @@ def test_json_requests_resolve_provenance_like_protobuf_ones(stack: Stack) -> No
     assert result["metrics"]["stable_reinforce/masked_sequences:sum"] == 0  # type: ignore[index]
     unknown = with_spans(
         good,
-        [dataclasses.replace(good.model_input_spans[0], sequence_id="nope:sample:0:0:0"), *good.model_input_spans[1:]],
-        good.loss_fn_input_spans,
+        [dataclasses.replace(spans(good)[0][0], sequence_id="nope:sample:0:0:0"), *spans(good)[0][1:]],
+        spans(good)[1],
     )
     refusal = post(2, [good, unknown])
     assert refusal.status_code == 400
@@ -314,6 +320,7 @@ def test_records_survive_a_gateway_restart_and_each_use_restarts_their_day(stack
             s.STREAM_STABILITY, s.stability_subject(seq.sequence_id), direct=True
         )
         await nc.close()
+        assert raw.data is not None
         return codec.sequence_record_decoder.decode(raw.data).touched_ns
 
     sampled = asyncio.run(touched())

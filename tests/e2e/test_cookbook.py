@@ -139,7 +139,7 @@ class ForwardBackwardSpy:
         original = tinker.TrainingClient.forward_backward
 
         def spy(client: Any, data: Any, loss_fn: str, *args: Any, **kwargs: Any) -> Any:
-            future = original(client, data, loss_fn, *args, **kwargs)
+            future = original(client, data, loss_fn, *args, **kwargs)  # type: ignore[arg-type]
             self.calls.append((loss_fn, future))
             return future
 

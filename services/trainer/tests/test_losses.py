@@ -94,7 +94,7 @@ def _stable_reinforce_inputs(
     seq = np.full(n, -1.0, np.float32)
     seq[2:cut] = 0.0
     seq[cut + 1 :] = 1.0
-    recorded = current + rng.normal(scale=0.5, size=n)
+    recorded = np.asarray(current, dtype=np.float64) + rng.normal(scale=0.5, size=n)
     recorded[seq == 1] -= shift
     recorded[seq < 0] = 0.0
     adv = np.where(seq >= 0, rng.normal(size=n), 0.0)
