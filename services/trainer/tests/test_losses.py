@@ -102,7 +102,7 @@ def _stable_reinforce_inputs(
         "sampled_sequence": seq,
         "sampler_logprobs": recorded.astype(np.float32),
         "advantages": adv.astype(np.float32),
-        "logprobs": rng.normal(size=n).astype(np.float32),  # the client's: never read
+        "logprobs": np.asarray(rng.normal(size=n), dtype=np.float32),  # the client's: never read
     }
 
 
