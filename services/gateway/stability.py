@@ -48,6 +48,7 @@ async def record(
     """Append one record per sampled sequence of `body` (before its result is appended)."""
     now = now_ns()
     prompt_bytes = np.asarray(prompt, dtype="<i4").tobytes()
+    entries = []
     for index, sequence in enumerate(body.sequences):
         sequence_id = ids.sequence_id(job.request_id, index)
         entry = SequenceRecord(
@@ -66,7 +67,8 @@ async def record(
             seq_id=job.seq_id,
             at_ns=now,
         )
-        await gateway.bus.publish(s.stability_subject(sequence_id), codec.pack(entry))
+        entries.append(gateway.bus.publish(s.stability_subject(sequence_id), codec.pack(entry)))
+    await asyncio.gather(*entries)  # every record is durable before the result is appended
 
 
 async def _lookup(gateway: Gateway, sequence_id: str) -> SequenceRecord | None:
@@ -227,9 +229,12 @@ async def resolve(
 async def touch(gateway: Gateway, records: Sequence[SequenceRecord]) -> None:
     """Restart each record's day: re-append it with `touched_ns` now (the stream keeps the last)."""
     now = now_ns()
-    for entry in records:
+
+    async def renew(entry: SequenceRecord) -> None:
         renewed = msgspec.structs.replace(entry, touched_ns=now, at_ns=now)
         try:
             await gateway.bus.publish(s.stability_subject(entry.sequence_id), codec.pack(renewed))
         except Exception as exc:  # the request stands; the record still lives a day past its last touch
             log.warning("could not renew the record of sequence %s: %s", entry.sequence_id, exc)
+
+    await asyncio.gather(*(renew(entry) for entry in records))
