@@ -2,7 +2,8 @@
 
 The cookbook's supervised loop (bundled example conversations, `role_colon` renderer) trains with
 checkpoints and then resumes from its saved state; the RL loop trains on the cookbook's
-arithmetic environment with `importance_sampling`, then with `ppo`. No outbound network: the
+arithmetic environment with `importance_sampling`, then with `ppo`, and asynchronously with its
+default `stable_reinforce`; `recipes/rl_loop` runs with its default `stable_reinforce`. No outbound network: the
 cookbook's pricing fetch is switched off the way its own module allows.
 """
 
@@ -190,9 +191,9 @@ def test_rl_loop_recipe_trains_with_its_default_stable_reinforce(
 def test_rl_train_async_trains_off_policy_with_its_default_loss(
     stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`rl.train` with an `AsyncConfig` (one step off policy allowed) at its default loss,
-    `stable_reinforce`: sampling runs ahead of training on recorded samplers, and every
-    training step is accepted."""
+    """`rl.train` with an `AsyncConfig` (sampling may run one step ahead of training) at its
+    default loss, `stable_reinforce`: its samplers record, and every training step it sends is
+    accepted and answered."""
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
     from tinker_cookbook.rl import train
 
