@@ -52,6 +52,7 @@ class Retention:
     log_s: float = 7 * DAY_S  # requests, work, outcomes, publish: the replayable log
     results_s: float = 3_600.0  # a future's result; past it the future answers 410
     events_s: float = DAY_S
+    stability_s: float = 2 * DAY_S  # sequence records: they live one day past their last use
     dedupe_window_s: float = 120.0
     trainer_ttl_s: float = 20.0  # a trainer that stops heartbeating drops out of healthz
 
@@ -104,6 +105,17 @@ def stream_configs(r: Retention, replicas: int = 1) -> list[StreamConfig]:
             storage=StorageType.FILE,
             max_age=r.results_s,
             duplicate_window=r.dedupe_window_s,
+        ),
+        StreamConfig(
+            name=s.STREAM_STABILITY,
+            num_replicas=replicas,
+            subjects=[s.STABILITY_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=r.stability_s,
+            max_msgs_per_subject=1,
+            duplicate_window=r.dedupe_window_s,
+            allow_direct=True,
         ),
         StreamConfig(
             name=s.STREAM_EVENTS,

@@ -15,7 +15,7 @@ from libs.contracts.outcomes import Outcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.requests import ModelCommand
 from libs.contracts.results import RequestResult
-from libs.contracts.sampling import SampleJob
+from libs.contracts.sampling import SampleJob, SequenceRecord
 from libs.contracts.work import Unit
 
 T = TypeVar("T")
@@ -30,6 +30,7 @@ result_decoder = msgspec.msgpack.Decoder(RequestResult)
 event_decoder = msgspec.json.Decoder(OperationEvent)
 publish_decoder = msgspec.msgpack.Decoder(PublishCommand)
 sample_job_decoder = msgspec.msgpack.Decoder(SampleJob)
+sequence_record_decoder = msgspec.msgpack.Decoder(SequenceRecord)
 
 
 def pack(message: Any) -> bytes:

@@ -13,6 +13,9 @@ Input rules (docs/semantics.md §4 lists them per loss):
 - ``required_inputs`` must be present; ``optional_inputs`` may be.
 - ``ignored_inputs`` are keys the vendor's examples or the cookbook send beside a loss that does
   not read them (``weights`` beside the policy losses): accepted, checked for shape, never read.
+- ``resolved_inputs`` are filled in by the gateway from the sampling records a datum's
+  provenance names (``stable_reinforce``: the recorded sampler logprobs); a client that sends
+  one gets a 400, and the trainer requires them.
 - Any other key is a 400 naming it.
 - Every input is 1-D ``[N]``, except that ``cross_entropy`` takes top-K targets: ``target_tokens``
   ``[N, K]`` with ``weights`` of the same shape (or absent: every column weight 1).
@@ -35,11 +38,13 @@ class LossSpec:
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     ignored_inputs: tuple[str, ...] = ()
     top_k: bool = False  # target_tokens (and weights) may be [N, K]
+    resolved_inputs: tuple[str, ...] = ()
+    """Required inputs the gateway resolves from provenance; never sent by a client."""
 
     @property
     def inputs(self) -> tuple[str, ...]:
         """The inputs the loss reads."""
-        return self.required_inputs + self.optional_inputs
+        return self.required_inputs + self.resolved_inputs + self.optional_inputs
 
     @property
     def accepted(self) -> tuple[str, ...]:
@@ -87,8 +92,20 @@ LOSS_SPECS: dict[str, LossSpec] = {
             {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4},
             ignored_inputs=_POLICY_IGNORED,
         ),
+        # Tinkerd's own objective under the SDK's name (docs/semantics.md, "stable_reinforce").
+        LossSpec(
+            "stable_reinforce",
+            ("target_tokens", "advantages"),
+            (),
+            {"kl_coeff": 0.0, "ratio_cap": 2.0, "sequence_ratio_bound": 2.0},
+            ignored_inputs=("logprobs", "weights"),
+            resolved_inputs=("sampler_logprobs", "sampled_sequence"),
+        ),
     )
 }
+
+NEEDS_PROVENANCE = frozenset(name for name, spec in LOSS_SPECS.items() if spec.resolved_inputs)
+"""Losses whose datums must carry provenance (the gateway resolves their ``resolved_inputs``)."""
 
 
 def resolve_config(loss_fn: str, config: Mapping[str, float] | None) -> dict[str, float]:
@@ -113,6 +130,12 @@ def validate_config(loss_fn: str, config: Mapping[str, object] | None) -> str | 
     low, high = merged.get("clip_low_threshold"), merged.get("clip_high_threshold")
     if low is not None and high is not None and low > high:
         return f"loss_fn_config.clip_low_threshold ({low}) exceeds clip_high_threshold ({high})"
+    if merged.get("ratio_cap", 1.0) <= 0:
+        return f"loss_fn_config.ratio_cap must be > 0, got {merged['ratio_cap']}"
+    if merged.get("sequence_ratio_bound", 1.0) < 1:
+        return f"loss_fn_config.sequence_ratio_bound must be >= 1, got {merged['sequence_ratio_bound']}"
+    if merged.get("kl_coeff", 0.0) < 0:
+        return f"loss_fn_config.kl_coeff must be >= 0, got {merged['kl_coeff']}"
     return None
 
 
@@ -131,20 +154,30 @@ def _dims(shape: Shape) -> tuple[int, ...]:
 
 
 def validate_datum_inputs(
-    loss_fn: str, index: int, num_tokens: int, input_shapes: Mapping[str, Shape]
+    loss_fn: str, index: int, num_tokens: int, input_shapes: Mapping[str, Shape], resolved: bool = True
 ) -> str | None:
-    """Check one datum's ``loss_fn_inputs`` (given as name -> shape, or -> length for 1-D)."""
+    """Check one datum's ``loss_fn_inputs`` (given as name -> shape, or -> length for 1-D).
+
+    ``resolved``: the datum already carries the spec's ``resolved_inputs`` (the trainer's view);
+    False checks what a client sent, where they must be absent."""
     spec = LOSS_SPECS[loss_fn]
     where = f"data[{index}].loss_fn_inputs"
     if num_tokens < 1:
         return f"data[{index}].model_input has no tokens"
-    for name in spec.required_inputs:
+    for name in spec.required_inputs + (spec.resolved_inputs if resolved else ()):
         if name not in input_shapes:
             return f"{where}.{name} is required by {loss_fn}"
+    if not resolved:
+        for name in spec.resolved_inputs:
+            if name in input_shapes:
+                return (
+                    f"{where}.{name} is filled in by the server from the datum's provenance; do not send it"
+                )
     target_dims = _dims(input_shapes["target_tokens"])
     for name, shape in input_shapes.items():
         if name not in spec.accepted:
-            return f"{where}.{name} is not read by {loss_fn} (it reads: {', '.join(spec.inputs)})"
+            reads = spec.required_inputs + spec.optional_inputs if not resolved else spec.inputs
+            return f"{where}.{name} is not read by {loss_fn} (it reads: {', '.join(reads)})"
         dims = _dims(shape)
         if len(dims) == 0 or dims[0] != num_tokens:
             got = dims[0] if dims else "a scalar"
@@ -168,6 +201,7 @@ def validate_loss_request(
     config: Mapping[str, object] | None,
     token_counts: Sequence[int],
     input_lengths: Sequence[Mapping[str, Shape]],
+    resolved: bool = True,
 ) -> str | None:
     """Validate a whole ``forward_backward`` request; returns the first error or None.
 
@@ -176,6 +210,8 @@ def validate_loss_request(
         config: ``loss_fn_config`` (may be None).
         token_counts: Each datum's model-input token count.
         input_lengths: Each datum's ``loss_fn_inputs`` as name -> shape (an int: a 1-D length).
+        resolved: Whether the datums carry the loss's ``resolved_inputs`` already (the trainer);
+            False for what a client sent (the gateway, before it resolves provenance).
     """
     error = validate_config(loss_fn, config)
     if error is not None:
@@ -183,7 +219,7 @@ def validate_loss_request(
     if len(token_counts) != len(input_lengths):
         return "token_counts and input_lengths differ in length"
     for i, (count, lengths) in enumerate(zip(token_counts, input_lengths, strict=True)):
-        error = validate_datum_inputs(loss_fn, i, count, lengths)
+        error = validate_datum_inputs(loss_fn, i, count, lengths, resolved)
         if error is not None:
             return error
     return None

@@ -18,6 +18,7 @@ class DatumOutcome(msgspec.Struct, frozen=True, array_like=True):
     loss: float
     error: str | None = None  # a per-datum failure (validation); other datums are unaffected
     k: int = 0  # 0: logprobs is [N]; K >= 1: it is [N, K] (top-K target_tokens)
+    metrics: dict[str, float] = {}  # the loss's own per-datum metrics, each `name:sum`
 
 
 class WorkOutcome(Envelope, tag="work_done", kw_only=True, frozen=True):

@@ -16,6 +16,7 @@ class DatumResult(msgspec.Struct, frozen=True, array_like=True):
     logprobs: bytes  # float32 little-endian
     loss: float
     k: int = 0  # 0: logprobs is [N]; K >= 1: it is [N, K] (top-K target_tokens)
+    metrics: dict[str, float] = {}  # the loss's own per-datum metrics, each `name:sum`
 
 
 class ForwardBackwardResult(msgspec.Struct, tag="forward_backward", frozen=True, kw_only=True):

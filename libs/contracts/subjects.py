@@ -27,6 +27,8 @@ STREAM_RESULTS = "TINKER_RESULTS"
 """The final result of every future, keyed by request id; the gateway's futures projection."""
 STREAM_SAMPLES = "TINKER_SAMPLES"
 """Accepted sample requests waiting for a gateway replica to run them (a work queue)."""
+STREAM_STABILITY = "TINKER_STABILITY"
+"""Recorded sampled sequences (`SequenceRecord`), one subject per sequence id, the last record kept."""
 STREAM_EVENTS = "TINKER_EVENTS"
 """Operation events for humans and dashboards (`tinkerd events`, `nats sub 'tinker.events.>'`)."""
 
@@ -37,6 +39,7 @@ OUTCOMES_ALL = "tinker.outcome.>"
 PUBLISH_ALL = "tinker.publish.>"
 RESULTS_ALL = "tinker.result.>"
 SAMPLES_ALL = "tinker.sample.>"
+STABILITY_ALL = "tinker.stability.>"
 EVENTS_ALL = "tinker.events.>"
 
 # --- durable consumers ---------------------------------------------------------------------------
@@ -127,6 +130,11 @@ def cancel_subject(request_id: str) -> str:
 
 def sample_subject(sampler_id: str) -> str:
     return f"tinker.sample.{token(sampler_id)}"
+
+
+def stability_subject(sequence_id: str) -> str:
+    """The subject of one recorded sequence (`sequence_id` must be a valid id: `is_valid_id`)."""
+    return f"tinker.stability.{token(sequence_id)}"
 
 
 def event_subject(kind: str, model_id: str | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import msgspec
 
@@ -72,6 +73,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     beats every 10 s). Its futures still answer and its checkpoints stay."""
     session_reap_interval_s: float = 30.0
     """How often each gateway looks for lapsed sessions."""
+    stable_reinforce: Literal["serve", "refuse"] = "serve"
+    """`serve`: `loss_fn="stable_reinforce"` runs Tinkerd's own objective (docs/semantics.md);
+    `refuse`: it is a 400 (the hosted objective is unpublished)."""
 
     def engines(self) -> list[str]:
         urls = [u.strip().rstrip("/") for u in self.sampler_urls.split(",") if u.strip()]

@@ -38,7 +38,7 @@ from libs.contracts.records import InflightTarget, QueueRecord, SamplerRecord
 from libs.contracts.results import Failure, ResultBody, SampleResult
 from libs.contracts.sampling import SampleJob
 from libs.faults import crash_point
-from services.gateway import sglang
+from services.gateway import sglang, stability
 from services.gateway.context import Gateway
 from services.gateway.engines import Adapter
 
@@ -198,7 +198,7 @@ class SampleRunner:
                         paused = True
                         await self._pause(job, exc)
                     await engines.wait_available(left_s)
-            return sglang.to_sample_result(
+            body = sglang.to_sample_result(
                 outputs,
                 job.prompt_len,
                 job.want_prompt_logprobs,
@@ -206,6 +206,10 @@ class SampleRunner:
                 job.topk_sample,
                 job.prompt_logprobs_last_n,
             )
+            if job.record:  # recorded before it is answered, so a training request can name it
+                snapshot = adapter.name if adapter is not None else ""
+                await stability.record(self.gateway, job, request["input_ids"], snapshot, body)
+            return body
         except sglang.EngineError as exc:
             category = "user" if exc.status == 400 else "server"
             return Failure(error=f"sampling engine refused the request: {exc}", category=category)

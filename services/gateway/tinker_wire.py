@@ -154,10 +154,14 @@ class TensorData(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class Datum(msgspec.Struct, frozen=True, kw_only=True):
-    """A JSON datum (SDK <= 0.24); newer SDKs send datums as protobuf."""
+    """A JSON datum (SDK <= 0.24); newer SDKs send datums as protobuf. Provenance spans, which
+    those SDKs never send, are the protobuf ones in JSON: ``{"type": "prompt_tokens" |
+    "sampled_tokens", "sequence_id", "offset", "length"}``."""
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = {}
+    model_input_spans: list[tp.ProvenanceSpan] | None = None
+    loss_fn_input_spans: list[tp.ProvenanceSpan] | None = None
 
 
 class ForwardBackwardInput(msgspec.Struct, frozen=True, kw_only=True):

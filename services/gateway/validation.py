@@ -119,14 +119,31 @@ def datums_from_json(data: Sequence[w.Datum], limits: Limits) -> list[BusDatum]:
     return out
 
 
-def check_loss(loss_fn: str, config: dict[str, float | str], datums: Sequence[BusDatum]) -> None:
+STABLE_REINFORCE_REFUSED = (
+    "loss_fn 'stable_reinforce' is turned off on this server (TINKERD_STABLE_REINFORCE=refuse): the "
+    "hosted StableReinforce objective is unpublished, and this deployment does not offer Tinkerd's own "
+    "objective under that name; train with importance_sampling, ppo, cispo, dro or gspo"
+)
+
+
+def check_loss(
+    loss_fn: str,
+    config: dict[str, float | str],
+    datums: Sequence[BusDatum],
+    refuse_stable_reinforce: bool = False,
+) -> None:
+    """What the client sent, before provenance is resolved (a loss's resolved inputs must be absent).
+    `refuse_stable_reinforce`: the operator's switch (`GatewayConfig.stable_reinforce`)."""
     if loss_fn not in LOSS_SPECS:
         raise BadRequest(unsupported_loss_error(loss_fn))
+    if loss_fn == "stable_reinforce" and refuse_stable_reinforce:
+        raise BadRequest(STABLE_REINFORCE_REFUSED)
     error = validate_loss_request(
         loss_fn,
         config,
         [d.num_tokens for d in datums],
         [{name: tuple(t.shape) for name, t in d.inputs.items()} for d in datums],
+        resolved=False,
     )
     if error is not None:
         raise BadRequest(error)

@@ -266,7 +266,7 @@ def _fold_work(state: PlannerState, outcome: WorkOutcome, members: list[Member])
             if pending.trains:
                 stream.poison_window(pending.window, f"forward_backward seq_id {pending.command.seq_id} failed")
         else:
-            pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k)
+            pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k, datum.metrics)
             if pending.trains:
                 stream.mark_dirty(pending.window)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_
 from services.trainer import slot_state
 from services.trainer.fused_ce import lm_head_logprobs
 from services.trainer.lora import AdapterPool
-from services.trainer.losses import LOSS_FNS
+from services.trainer.losses import LOSS_FNS, LOSS_METRICS
 from services.trainer.model import build_model
 from services.trainer.optim import SlotAdamW, StepReport, zero_grads
 from services.trainer.packing import DatumInput, PackedBatch, pack
@@ -84,6 +84,7 @@ class DatumOutput:
 
     logprobs: np.ndarray  # float32[N], or [N, K] for top-K targets
     loss: float
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss's own, each ``name:sum``
 
 
 class TrainerEngine:
@@ -172,6 +173,8 @@ class TrainerEngine:
         cfg = resolve_config(loss_fn, loss_config)
         reads = set(LOSS_SPECS[loss_fn].inputs) - {"target_tokens"}  # ignored inputs never reach the loss
         top_k = any(np.ndim(d.loss_inputs["target_tokens"]) == 2 for d in datums)
+        metrics_fn = LOSS_METRICS.get(loss_fn)
+        metrics: dict[int, dict[str, float]] = {}
         # Top-K targets: pack with the first column as labels, then score all K from the logits.
         packed = [_first_column(d) for d in datums] if top_k else datums
         batch = pack(packed, self.device)
@@ -212,13 +215,16 @@ class TrainerEngine:
                 }
                 lps.append(lp)
                 losses.append(LOSS_FNS[loss_fn](lp, inputs, cfg))
+                if metrics_fn is not None:
+                    with torch.no_grad():
+                        metrics[index] = metrics_fn(lp, inputs, cfg)
             if not forward_only:
                 torch.stack(losses).sum().backward()
                 self._pending.update(d.slot for d in datums)
         outputs: list[DatumOutput | None] = [None] * len(datums)
         for j, index in enumerate(batch.order):
             lp_np = lps[j].detach().cpu().numpy().astype(np.float32)
-            outputs[index] = DatumOutput(lp_np, float(losses[j].detach()))
+            outputs[index] = DatumOutput(lp_np, float(losses[j].detach()), metrics.get(index, {}))
         return [o for o in outputs if o is not None]
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:

@@ -325,7 +325,9 @@ class Executor:
 
 def _datum_outcome(request_id: str, index: int, out: DatumOutput) -> DatumOutcome:
     k = int(out.logprobs.shape[1]) if out.logprobs.ndim == 2 else 0
-    return DatumOutcome(request_id, index, out.logprobs.astype("<f4").tobytes(), out.loss, k=k)
+    return DatumOutcome(
+        request_id, index, out.logprobs.astype("<f4").tobytes(), out.loss, k=k, metrics=out.metrics
+    )
 
 
 def _handed_off(op: SaveSlot | ExportSlot) -> OpOutcome:

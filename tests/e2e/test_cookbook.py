@@ -2,7 +2,8 @@
 
 The cookbook's supervised loop (bundled example conversations, `role_colon` renderer) trains with
 checkpoints and then resumes from its saved state; the RL loop trains on the cookbook's
-arithmetic environment with `importance_sampling`, then with `ppo`. No outbound network: the
+arithmetic environment with `importance_sampling`, then with `ppo`, and asynchronously with its
+default `stable_reinforce`; `recipes/rl_loop` runs with its default `stable_reinforce`. No outbound network: the
 cookbook's pricing fetch is switched off the way its own module allows.
 """
 
@@ -126,3 +127,98 @@ def test_rl_train_on_arithmetic(stack: Stack, tmp_path: Path, loss_fn: str) -> N
     asyncio.run(train.main(config))
     metrics = [json.loads(line) for line in (tmp_path / f"rl-{loss_fn}" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(metrics) >= 2
+
+
+class ForwardBackwardSpy:
+    """Every `TrainingClient.forward_backward` call a recipe makes: its loss and its future
+    (the calls go through unchanged)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import tinker
+
+        self.calls: list[tuple[str, Any]] = []
+        original = tinker.TrainingClient.forward_backward
+
+        def spy(client: Any, data: Any, loss_fn: str, *args: Any, **kwargs: Any) -> Any:
+            future = original(client, data, loss_fn, *args, **kwargs)  # type: ignore[arg-type]
+            self.calls.append((loss_fn, future))
+            return future
+
+        monkeypatch.setattr(tinker.TrainingClient, "forward_backward", spy)
+
+    def results(self, loss_fn: str) -> list[Any]:
+        return [future.result() for name, future in self.calls if name == loss_fn]
+
+
+def test_rl_loop_recipe_trains_with_its_default_stable_reinforce(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`recipes/rl_loop` as shipped, with its default loss: a recording sampler, provenance on
+    every datum, `stable_reinforce` steps. What this machine cannot give it is substituted from
+    outside: GSM8K (no network) by a few local rows, the tiny model's renderer (the cookbook's
+    model registry does not know it) by `role_colon`, and the GSM8K grader (which the untrained
+    tiny model never satisfies) by the response's length, so the groups have advantages."""
+    import datasets
+    from tinker_cookbook import model_info
+    from tinker_cookbook.recipes import rl_loop
+
+    rows = {"question": [f"What is {i} + {i}?" for i in range(4)], "answer": [f"#### {2 * i}" for i in range(4)]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}))
+    monkeypatch.setattr(model_info, "get_recommended_renderer_name", lambda name: "role_colon")
+    monkeypatch.setattr(rl_loop, "get_reward", lambda response, answer: float(len(response)))
+    spy = ForwardBackwardSpy(monkeypatch)
+    config = rl_loop.Config(
+        base_url=stack.base_url,
+        log_path=str(tmp_path / "rl-loop"),
+        model_name=tokenizer_path(stack),
+        batch_size=2,
+        group_size=3,
+        max_tokens=6,
+        lora_rank=8,
+        learning_rate=1e-3,
+        save_every=0,
+        max_steps=2,
+    )
+    assert config.loss_fn == "stable_reinforce"
+    rl_loop.main(config)
+    trained = spy.results("stable_reinforce")
+    assert len(trained) == 2 and all(r.loss_fn_outputs and "loss:sum" in r.metrics for r in trained)
+    assert all(r.metrics["stable_reinforce/masked_sequences:sum"] == 0 for r in trained[:1])  # on-policy
+    checkpoints = read_checkpoints(tmp_path / "rl-loop")
+    assert checkpoints[-1]["name"] == "final" and str(checkpoints[-1]["state_path"]).startswith("tinker://")
+
+
+def test_rl_train_async_trains_off_policy_with_its_default_loss(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rl.train` with an `AsyncConfig` (sampling may run one step ahead of training) at its
+    default loss, `stable_reinforce`: its samplers record, and every training step it sends is
+    accepted and answered."""
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl import train
+
+    spy = ForwardBackwardSpy(monkeypatch)
+    model = tokenizer_path(stack)
+    config = train.Config(
+        learning_rate=1e-3,
+        dataset_builder=ArithmeticDatasetBuilder(
+            batch_size=2, group_size=2, n_batches=3, model_name_for_tokenizer=model, renderer_name="role_colon"
+        ),
+        model_name=model,
+        recipe_name="tinkerd_e2e_rl_async",
+        renderer_name="role_colon",
+        max_tokens=6,
+        log_path=str(tmp_path / "rl-async"),
+        eval_every=0,
+        save_every=0,
+        lora_rank=8,
+        base_url=stack.base_url,
+        max_steps=3,
+        async_config=train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2),
+    )
+    assert config.training_loss_fn() == "stable_reinforce"
+    asyncio.run(train.main(config))
+    trained = spy.results("stable_reinforce")
+    assert len(trained) >= 3 and all("loss:sum" in r.metrics for r in trained)
+    metrics = [json.loads(line) for line in (tmp_path / "rl-async" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) >= 3

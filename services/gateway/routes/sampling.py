@@ -211,6 +211,8 @@ def _sample_job(
         topk_prompt=data.topk_prompt_logprobs,
         topk_sample=data.topk_sample_logprobs,
         prompt_logprobs_last_n=data.prompt_logprobs_last_n,
+        record=bool(data.record_stability_info),
+        session_id=sampler.session_id,
         tenant=tenant.id,
         model_id=sampler.sampler_id,
         request_id=ids.request_id(sampler.sampler_id, seq),

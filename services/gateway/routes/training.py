@@ -9,6 +9,7 @@ arrives through `retrieve_future`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zstandard
@@ -16,7 +17,8 @@ from litestar import Request, post
 
 from libs.contracts import ids
 from libs.contracts import subjects as s
-from libs.contracts.common import LoraConfig, now_ns
+from libs.contracts.common import BusDatum, LoraConfig, now_ns
+from libs.contracts.loss_specs import NEEDS_PROVENANCE
 from libs.contracts.records import ModelRecord
 from libs.contracts.requests import (
     CheckpointRef,
@@ -24,7 +26,8 @@ from libs.contracts.requests import (
     ForwardBackward,
     OptimStep,
 )
-from services.gateway import quotas
+from libs.contracts.sampling import SequenceRecord
+from services.gateway import quotas, stability
 from services.gateway import tinker_proto as tp
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
@@ -49,6 +52,10 @@ from services.gateway.validation import (
 )
 
 PROTOBUF = "application/x-protobuf"
+DIMUON_REFUSED = (
+    "optimizer_config.type 'dimuon' is not supported: the Dimuon update rule is unpublished, and this "
+    "server does not pass off a guess as it; create the model with adamw (the default)"
+)
 
 
 def limits(gateway: Gateway, base: str | None = None) -> Limits:
@@ -116,6 +123,8 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
         raise BadRequest(f"lora_config.rank must be in [1, {gateway.config.max_lora_rank}], got {lora.rank}")
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise BadRequest("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    if data.optimizer_config.type == "dimuon":
+        raise BadRequest(DIMUON_REFUSED)
     if data.optimizer_config.type != "adamw":
         raise BadRequest(
             f"optimizer_config.type {data.optimizer_config.type!r} is not supported; use 'adamw'"
@@ -149,27 +158,58 @@ async def get_info(data: w.GetInfoRequest, gateway: Gateway, tenant: Tenant) -> 
     )
 
 
+Spans = list[tp.ProvenanceSpan]
+
+
+@dataclass(frozen=True)
+class _FBInput:
+    """A forward_backward as either wire format gives it: the loss and each datum's provenance."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    config: dict[str, float | str]
+    forward_only: bool
+    spans: list[tuple[Spans, Spans]]  # (model_input_spans, loss_fn_input_spans) per datum
+
+
 async def _forward_backward(
     gateway: Gateway,
     tenant: Tenant,
-    model_id: str,
+    request: _FBInput,
     seq_id: int | None,
     digest: str,
-    build: Callable[[Limits], ForwardBackward],
-    kind: str = "forward_backward",
+    decode: Callable[[Limits], list[BusDatum]],
 ) -> w.UntypedAPIFuture:
-    """`kind` "forward" for forward-only passes: a refused one never poisons a gradient window.
-    `build(limits)` checks the datums against the limits of the model's base model."""
-    model = await owned_model(gateway, tenant, model_id)
+    """Check everything, resolve provenance, then append once; a refusal appends a `Rejected`.
+
+    A forward-only pass's kind is "forward": a refused one never poisons a gradient window.
+    `decode(limits)` checks the datums against the limits of the model's base model."""
+    kind = "forward" if request.forward_only else "forward_backward"
+    model = await owned_model(gateway, tenant, request.model_id)
     seq = check_seq(seq_id)
+    records: list[SequenceRecord] = []
     try:
-        command = build(limits(gateway, model.base_model))
+        base_limits = limits(gateway, model.base_model)
+        datums = decode(base_limits)
+        check_loss(request.loss_fn, request.config, datums, gateway.config.stable_reinforce == "refuse")
+        if request.loss_fn in NEEDS_PROVENANCE:
+            resolved = await stability.resolve(gateway, model.session_id, datums, request.spans)
+            datums, records = resolved.datums, resolved.records
+        command = ForwardBackward(
+            model_id=request.model_id,
+            seq_id=request.seq_id,
+            loss_fn=request.loss_fn,
+            loss_config=request.config,
+            forward_only=request.forward_only,
+            data=datums,
+        )
     except TinkerError as refused:
-        await append(gateway, tenant, model_id, seq, kind, digest, None, refused)
+        await append(gateway, tenant, request.model_id, seq, kind, digest, None, refused)
         raise
-    assert isinstance(command, ForwardBackward)
-    request_id = await append(gateway, tenant, model_id, seq, kind, digest, command)
-    return _future(request_id, model_id)
+    request_id = await append(gateway, tenant, request.model_id, seq, kind, digest, command)
+    await stability.touch(gateway, records)
+    return _future(request_id, request.model_id)
 
 
 @post("/api/v1/forward_backward", status_code=200, operation_id="forward_backward")
@@ -191,21 +231,18 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
         except ValueError as exc:
             raise BadRequest(f"invalid ForwardBackwardRequest: {exc}") from exc
 
-        def build_proto(base_limits: Limits) -> ForwardBackward:
-            datums = datums_from_proto(req.data, base_limits)
-            check_loss(req.loss_fn, config, datums)
-            return ForwardBackward(
-                model_id=req.model_id,
-                seq_id=req.seq_id,
-                loss_fn=req.loss_fn,
-                loss_config=config,
-                forward_only=req.forward_only,
-                data=datums,
-            )
-
+        request_input = _FBInput(
+            model_id=req.model_id,
+            seq_id=req.seq_id,
+            loss_fn=req.loss_fn,
+            config=config,
+            forward_only=req.forward_only,
+            spans=[(d.model_input_spans, d.loss_fn_input_spans) for d in req.data],
+        )
         digest = fingerprint_bytes("forward_backward", body)
-        kind = "forward" if req.forward_only else "forward_backward"
-        return await _forward_backward(gateway, tenant, req.model_id, req.seq_id, digest, build_proto, kind)
+        return await _forward_backward(
+            gateway, tenant, request_input, req.seq_id, digest, lambda lim: datums_from_proto(req.data, lim)
+        )
     legacy = msgspec.json.decode(body, type=w.LegacyForwardBackwardRequest)
     return await _legacy(
         gateway, tenant, legacy.model_id, legacy.seq_id, legacy.forward_backward_input, body, False
@@ -221,23 +258,18 @@ async def _legacy(
     body: bytes,
     forward_only: bool,
 ) -> w.UntypedAPIFuture:
-    config = dict(inp.loss_fn_config or {})
-
-    def build_json(base_limits: Limits) -> ForwardBackward:
-        datums = datums_from_json(inp.data, base_limits)
-        check_loss(inp.loss_fn, config, datums)
-        return ForwardBackward(
-            model_id=model_id,
-            seq_id=seq_id or 0,
-            loss_fn=inp.loss_fn,
-            loss_config=config,
-            forward_only=forward_only,
-            data=datums,
-        )
-
-    kind = "forward" if forward_only else "forward_backward"
-    digest = fingerprint_bytes(kind, body)
-    return await _forward_backward(gateway, tenant, model_id, seq_id, digest, build_json, kind)
+    request_input = _FBInput(
+        model_id=model_id,
+        seq_id=seq_id or 0,
+        loss_fn=inp.loss_fn,
+        config=dict(inp.loss_fn_config or {}),
+        forward_only=forward_only,
+        spans=[(d.model_input_spans or [], d.loss_fn_input_spans or []) for d in inp.data],
+    )
+    digest = fingerprint_bytes("forward" if forward_only else "forward_backward", body)
+    return await _forward_backward(
+        gateway, tenant, request_input, seq_id, digest, lambda lim: datums_from_json(inp.data, lim)
+    )
 
 
 @post("/api/v1/forward", status_code=200, operation_id="forward")
@@ -258,7 +290,8 @@ async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant)
         params = data.params()
         if not isinstance(params, w.AdamParams):
             raise BadRequest(
-                "optimizer_params: only AdamW (adam_params) is supported; this model was created with adamw"
+                "optimizer_params: only AdamW (adam_params) is supported (the Dimuon update rule is "
+                "unpublished); this model was created with adamw"
             )
         check_adam(params)
     except (ValueError, BadRequest) as exc:

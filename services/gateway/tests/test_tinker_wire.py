@@ -827,3 +827,47 @@ def test_legacy_sample_json_matches_the_protobuf_result() -> None:
             theirs.logprobs,
         )
     assert "logprobs" not in json.loads(legacy_body)["sequences"][1]
+
+
+def test_json_datums_carry_provenance_spans_and_samples_their_recording_flag() -> None:
+    """The JSON form of a datum's provenance (which the JSON-era SDK never sends) mirrors the
+    protobuf arms: tagged spans, decoded into the same structs."""
+    body = {
+        "forward_backward_input": {
+            "loss_fn": "stable_reinforce",
+            "data": [
+                {
+                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                    "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64"}},
+                    "model_input_spans": [
+                        {"type": "prompt_tokens", "sequence_id": "s:sample:0:1:0", "length": 2},
+                        {"type": "sampled_tokens", "sequence_id": "s:sample:0:1:0", "offset": 0, "length": 1},
+                    ],
+                    "loss_fn_input_spans": [
+                        {"type": "sampled_tokens", "sequence_id": "s:sample:0:1:0", "offset": 0, "length": 3}
+                    ],
+                },
+                {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1]}]}},
+            ],
+        },
+        "model_id": "s:train:0",
+        "seq_id": 1,
+    }
+    request = msgspec.json.decode(json.dumps(body).encode(), type=tw.LegacyForwardBackwardRequest)
+    first, second = request.forward_backward_input.data
+    assert first.model_input_spans == [
+        tp.PromptProvenanceSpan(sequence_id="s:sample:0:1:0", offset=0, length=2),
+        tp.SampledProvenanceSpan(sequence_id="s:sample:0:1:0", offset=0, length=1),
+    ]
+    assert first.loss_fn_input_spans == [tp.SampledProvenanceSpan(sequence_id="s:sample:0:1:0", length=3)]
+    assert second.model_input_spans is None and second.loss_fn_input_spans is None
+    sample = types.SampleRequest(
+        prompt=types.ModelInput.from_ints([1, 2]),
+        sampling_params=types.SamplingParams(max_tokens=2),
+        num_samples=1,
+        sampling_session_id="s:sample:0",
+        seq_id=0,
+        record_stability_info=True,
+    )
+    decoded = msgspec.json.decode(json.dumps(model_dump(sample, mode="json")).encode(), type=tw.SampleRequest)
+    assert decoded.record_stability_info is True

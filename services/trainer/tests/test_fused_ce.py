@@ -112,6 +112,10 @@ def test_every_loss_fused_matches_unfused(engine: TrainerEngine, loss_fn: str) -
         else:
             inputs["logprobs"] = (rng.normal(scale=0.3, size=n) - 7.6).astype(np.float32)  # ~ log(1/2048)
             inputs["advantages"] = rng.normal(size=n).astype(np.float32)
+        if loss_fn == "stable_reinforce":  # what the gateway resolves: a prompt of 2, then one sequence
+            inputs["sampler_logprobs"] = inputs.pop("logprobs")
+            inputs["sampled_sequence"] = np.where(np.arange(n) < 2, -1.0, 0.0).astype(np.float32)
+            inputs["advantages"][:2] = 0.0
         datums.append(DatumInput(slot, tokens, inputs))
     try:
         runs = {}

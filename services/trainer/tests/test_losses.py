@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -38,6 +39,8 @@ def _ref_terms(
     the sensitivity of the loss's *value* to the logprobs needs."""
     if name == "cross_entropy":
         return -(inp["weights"] * lp)
+    if name == "stable_reinforce":
+        return _stable_reinforce_ref(lp, inp, cfg, detach)
     q, adv = inp["logprobs"], inp["advantages"]
     ratio = (lp - q).exp()
     lo, hi = cfg.get("clip_low_threshold", 0.0), cfg.get("clip_high_threshold", 0.0)
@@ -56,6 +59,55 @@ def _ref_terms(
     return -torch.min(token_ratio * adv, torch.clip(token_ratio, lo, hi) * adv)
 
 
+def _stable_reinforce_ref(
+    lp: torch.Tensor,
+    inp: dict[str, torch.Tensor],
+    cfg: dict[str, float],
+    detach: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Tinkerd's stable_reinforce as docs/semantics.md writes it, one sequence at a time: a
+    sequence whose geometric-mean ratio exp(mean r) leaves [1/tau, tau] contributes nothing;
+    the others contribute -sg(min(rho, C))*A*lp + kl*(rho - 1 - r) at each of their positions."""
+    seq, mu, adv = inp["sampled_sequence"], inp["sampler_logprobs"], inp["advantages"]
+    tau, cap, kl = cfg["sequence_ratio_bound"], cfg["ratio_cap"], cfg["kl_coeff"]
+    terms = 0.0 * lp  # a datum without sampled positions still has terms that depend on lp
+    for s in sorted({int(v) for v in seq.tolist()} - {-1}):
+        at = seq == s
+        r = lp - mu
+        geometric = math.exp(float(r[at].detach().mean()))
+        if not 1.0 / tau <= geometric <= tau:
+            continue
+        rho = torch.exp(r)
+        term = -detach(torch.clamp(rho, max=cap)) * adv * lp + kl * (rho - 1.0 - r)
+        terms = terms + torch.where(at, term, torch.zeros_like(term))
+    return terms
+
+
+def _stable_reinforce_inputs(
+    rng: np.random.Generator, current: np.ndarray, shift: float
+) -> dict[str, np.ndarray]:
+    """A datum as the gateway resolves one: two prompt positions, a sampled sequence 0, a prompt
+    position (a second turn's observation), a sampled sequence 1 whose recorded logprobs sit
+    `shift` below the current ones (a large shift masks it out)."""
+    n = current.shape[0]
+    cut = 2 + (n - 3) // 2
+    seq = np.full(n, -1.0, np.float32)
+    seq[2:cut] = 0.0
+    seq[cut + 1 :] = 1.0
+    recorded = np.asarray(current, dtype=np.float64) + rng.normal(scale=0.5, size=n)
+    recorded[seq == 1] -= shift
+    recorded[seq < 0] = 0.0
+    adv = np.where(seq >= 0, rng.normal(size=n), 0.0)
+    return {
+        "sampled_sequence": seq,
+        "sampler_logprobs": recorded.astype(np.float32),
+        "advantages": adv.astype(np.float32),
+        "logprobs": np.asarray(rng.normal(size=n), dtype=np.float32),  # the client's: never read
+    }
+
+
+SR_CONFIG = {"kl_coeff": 0.1, "ratio_cap": 1.3, "sequence_ratio_bound": 1.6}
+
 CASES = [
     ("cross_entropy", {}),
     ("importance_sampling", {}),
@@ -63,6 +115,7 @@ CASES = [
     ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     ("dro", {"beta": 0.3}),
     ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    ("stable_reinforce", SR_CONFIG),
 ]
 
 
@@ -78,6 +131,10 @@ def _datums(engine: TrainerEngine, loss_fn: str, rng: np.random.Generator, slot:
     for d, o in zip(datums, current, strict=True):
         n = d.num_tokens
         inputs = dict(d.loss_inputs)
+        if loss_fn == "stable_reinforce":
+            inputs.update(_stable_reinforce_inputs(rng, o.logprobs, shift=1.5 if n > 8 else 0.0))
+            out.append(DatumInput(slot, d.tokens, inputs))
+            continue
         # Sampler logprobs near the current ones: ratios spread around 1, some get clipped.
         inputs["logprobs"] = (o.logprobs + rng.normal(scale=0.3, size=n)).astype(np.float32)
         inputs["advantages"] = rng.normal(size=n).astype(np.float32)
@@ -116,6 +173,8 @@ def test_loss_and_grads_match_reference(
             for k, v in datum.loss_inputs.items()
             if k != "target_tokens"
         }
+        if loss_fn == "stable_reinforce":
+            inputs["logprobs"] = torch.full_like(inputs["logprobs"], float("nan"))  # must not matter
         targets = np.asarray(datum.loss_inputs["target_tokens"])
         lp = ref.logprobs(datum.tokens, targets)
         lp_bound = ref.logprob_bound(targets)
@@ -212,3 +271,56 @@ def test_engine_rejects_invalid_request_without_side_effects(engine: TrainerEngi
     with pytest.raises(ValueError, match="slot 3 is not initialised"):
         engine.forward_backward([DatumInput(3, tokens, {"target_tokens": tokens})], "cross_entropy")
     assert not engine.has_pending_grads(0)
+
+
+def test_stable_reinforce_metrics_count_capped_tokens_masked_sequences_and_kl(
+    engine: TrainerEngine,
+) -> None:
+    """The per-datum metrics: tokens of kept sequences whose ratio exceeds the cap, sequences
+    masked out, and sum(rho - 1 - r) over every sampled position, computed here from the
+    engine's own logprobs and the recorded ones."""
+    randomize_slot(engine, 1, LoraConfig(rank=4, seed=3), seed=11)
+    rng = np.random.default_rng(9)
+    datums = _datums(engine, "stable_reinforce", rng, slot=1)
+    outputs = engine.forward_backward(datums, "stable_reinforce", SR_CONFIG, forward_only=True)
+    masked_total = 0
+    for datum, out in zip(datums, outputs, strict=True):
+        seq = np.asarray(datum.loss_inputs["sampled_sequence"])
+        r = out.logprobs.astype(np.float64) - np.asarray(datum.loss_inputs["sampler_logprobs"])
+        capped = masked = 0
+        for s in (0, 1):
+            at = seq == s
+            if not at.any():
+                continue
+            if not 1 / 1.6 <= math.exp(r[at].mean()) <= 1.6:
+                masked += 1
+                continue
+            capped += int((np.exp(r[at]) > 1.3).sum())
+        kl = float((np.exp(r[seq >= 0]) - 1 - r[seq >= 0]).sum())
+        assert out.metrics["stable_reinforce/capped_tokens:sum"] == capped
+        assert out.metrics["stable_reinforce/masked_sequences:sum"] == masked
+        assert out.metrics["stable_reinforce/kl_sampler:sum"] == pytest.approx(kl, rel=1e-4, abs=1e-5)
+        masked_total += masked
+    assert masked_total >= 1  # the long datum's second sequence is shifted out of the bound
+
+
+def test_stable_reinforce_chunked_over_calls_equals_one_call(engine64: TrainerEngine) -> None:
+    """Datums split over two forward_backward calls give the one call's losses and gradients:
+    the sequence mask is per datum, so the loss decomposes over datums."""
+    engine = engine64
+    config = LoraConfig(rank=4, seed=0)
+    randomize_slot(engine, 0, config, seed=4)
+    rng = np.random.default_rng(2)
+    datums = _datums(engine, "stable_reinforce", rng, slot=0)
+    whole = engine.forward_backward(datums, "stable_reinforce", SR_CONFIG)
+    one_call = engine.get_slot_grads(0)
+    engine.discard_grads(0)
+    chunked = engine.forward_backward(datums[:1], "stable_reinforce", SR_CONFIG)
+    chunked += engine.forward_backward(datums[1:], "stable_reinforce", SR_CONFIG)
+    for name, g in engine.get_slot_grads(0).items():
+        scale = float(one_call[name].abs().max())
+        assert scale > 0
+        assert float((g - one_call[name]).abs().max()) <= 1e-5 * scale, name  # fp32 buffers, 2 adds
+    for a, b in zip(whole, chunked, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-9, abs=1e-12)
+        assert b.metrics == a.metrics
