@@ -1,4 +1,4 @@
-"""kill -9 of one node of a 3-node JetStream cluster under SDK training traffic (issue 17, item 5).
+"""kill -9 of one node of a 3-node JetStream cluster under SDK training traffic.
 
 The stack runs on a 3-node cluster (`Stack(nats_nodes=3)`): every stream, bucket and the object
 store has 3 replicas, and every service is given all three URLs. First the seeded SDK workload
