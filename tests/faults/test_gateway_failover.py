@@ -25,6 +25,8 @@ import pytest
 from tests.faults.workload import exactly_once
 from tests.harness import READY_MARKERS, Stack
 
+pytestmark = pytest.mark.slow  # a fault test: a stack of its own, kills and restarts
+
 VOCAB = 2048  # tiny-qwen3
 STEPS = 4
 FAULT = "gateway.command_claimed@3"

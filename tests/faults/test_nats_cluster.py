@@ -23,6 +23,8 @@ from tests.faults.conftest import FAULT_ENV
 from tests.faults.workload import EventTrigger, differences, exactly_once, run_workload
 from tests.harness import Stack
 
+pytestmark = pytest.mark.slow  # a fault test: a 3-node cluster, its elections take minutes
+
 TENANTS = 1  # one tenant keeps the module fast; the reference and the faulted run each have it
 
 
