@@ -1,12 +1,13 @@
 # Two commands: `make run` (install, then start the whole stack) and `make test` (install, then
-# lint, type-check and test). Both set up everything they need on a fresh machine.
+# lint, type-check and test). Both set up everything they need on a fresh machine. `make check` is
+# the everyday loop: lint, type-check, and the unit and component tests (no `stack` or `slow` tier).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
 
-.PHONY: install browser run test lint typecheck pytest sdk024 clean
+.PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 clean
 
 install: browser $(VENV)/.installed
 
@@ -50,6 +51,13 @@ pytest: install sdk024
 	TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest
 
 test: lint typecheck pytest
+
+# Unit and component tests only: what starts a whole stack (marked `stack` by tests/conftest.py) and
+# the `slow` tier (faults, chaos, cookbook, console browser, bench smoke, numerics matrix) are left out.
+pytest-fast: install
+	$(PY) -m pytest -m "not stack and not slow"
+
+check: lint typecheck pytest-fast
 
 clean:
 	rm -rf $(VENV) $(SDK024_VENV) var

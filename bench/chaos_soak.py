@@ -1,4 +1,4 @@
-"""Chaos soak (issue 14): tenants train and sample while a random process is SIGKILLed every
+"""Chaos soak: tenants train and sample while a random process is SIGKILLed every
 15-30 s, nats-server included; at the end every tenant's results match the fault-free reference.
 
     .venv/bin/python -m bench.chaos_soak [--quick] [--minutes 10] [--seed 0] [--out DIR]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels of bench/gpu_wheels.txt for the GPU machine (CPython 3.12, x86-64) into
-# DEST (default .whl/ at the repository root; it is git-ignored). Run it here, where a package
-# registry is reachable; the device has none. docs/gpu.md says how the run carries them.
+# DEST (default .whl/ at the repository root; it is git-ignored). Run it where a package registry
+# is reachable; docs/gpu.md says how to install them on the GPU machine.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${1:-$root/.whl}

@@ -1,4 +1,4 @@
-"""Gateway overhead (issue 3): what an SDK call costs beyond the trainer's own compute.
+"""Gateway overhead: what an SDK call costs beyond the trainer's own compute.
 
 One real stack (``tests.harness.Stack``: nats-server plus every service as a subprocess, tiny
 model, loopback). Part 1, one client, sequential: ``forward_backward`` (one 64-token datum) then

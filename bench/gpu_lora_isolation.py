@@ -1,6 +1,6 @@
-"""The multi-slot LoRA on CUDA (issue 14): the grouped path against per-segment, and isolation.
+"""The multi-slot LoRA on CUDA: the grouped path against per-segment, and isolation.
 
-On the device (bf16, the trainer's GPU default, `routing.stacked`: grouped matmuls over the
+On a CUDA GPU (bf16, the trainer's GPU default, `routing.stacked`: grouped matmuls over the
 segments), with a tiny-qwen3 engine:
 
 1. agreement: one packed batch of three slots of different ranks (one without MLP adapters),

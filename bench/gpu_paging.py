@@ -1,4 +1,4 @@
-"""Page-out / page-in of one 8B-shaped rank-32 adapter with its Adam state, on the H200 (issue 12).
+"""Page-out / page-in of one 8B-shaped rank-32 adapter with its Adam state, on the H200.
 
 The engine is `bench/gpu_trainer.py`'s (Qwen3-8B shape, bf16, random weights, 8 slots, LoRA rank
 32 on every linear and the unembedding). One slot trains one forward_backward + optim_step +

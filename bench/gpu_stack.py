@@ -1,4 +1,4 @@
-"""The whole stack on one GPU (issue 15): SDK -> gateway -> planner -> CUDA trainer -> publisher
+"""The whole stack on one GPU: SDK -> gateway -> planner -> CUDA trainer -> publisher
 -> CUDA sampler, measured end to end, with the engines' own numbers beside it.
 
 One process runs these sections in order, each isolated (an error is recorded, the next runs):

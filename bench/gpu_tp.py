@@ -1,4 +1,4 @@
-"""A TP=2 trainer group on two GPUs (NCCL), through the stack and the SDK, against TP=1 (issue #19).
+"""A TP=2 trainer group on two GPUs (NCCL), through the stack and the SDK, against TP=1.
 
 Starts `tests.harness.Stack` with `TINKERD_TRAINER_TP=2` and `TINKERD_TRAINER_DEVICE=cuda` (the
 launcher starts two ranks, one GPU each), runs the SDK scenario of

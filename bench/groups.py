@@ -1,4 +1,4 @@
-"""Trainer groups (issue 17): aggregate training steps/s of 4 tenants on one group against two.
+"""Trainer groups: aggregate training steps/s of 4 tenants on one group against two.
 
 One real stack (tiny-qwen3) per configuration, on this machine: (1) one trainer group with 4
 adapter slots, (2) two trainer groups (`TINKERD_TRAINER_GROUPS=a,b`) with 2 slots each, so all four

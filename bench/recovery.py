@@ -1,4 +1,4 @@
-"""Recovery (issue 6): replay speed, recovery time against units since the snapshot, kill -9.
+"""Recovery: replay speed, recovery time against units since the snapshot, kill -9.
 
 One real stack (tiny-qwen3). A workload of 4 tenants (threads), each running ``S`` steps of
 ``forward_backward`` (2 datums of 32 tokens) + ``optim_step``, fills the work stream. Then:

@@ -1,4 +1,4 @@
-"""Residency (issue 12): what paging costs, what oversubscription costs, and what a decision costs.
+"""Residency: what paging costs, what oversubscription costs, and what a decision costs.
 
 Three sections, one run:
 

@@ -1,4 +1,4 @@
-"""Sampler on CPU (issue 5): decode tokens/s with 1 and 8 adapters, and publish latency.
+"""Sampler on CPU: decode tokens/s with 1 and 8 adapters, and publish latency.
 
 Part 1, the CPU engine alone (``services.sampler.engine.HFEngine``, tiny-qwen3, fp32): 16
 sequences submitted together (16-token prompts, ``ignore_eos``, temperature 1), each generating

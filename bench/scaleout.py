@@ -1,4 +1,4 @@
-"""Scale-out (issue 17, items 4 and 5): message sizes of a real step, and failover timings.
+"""Scale-out: message sizes of a real step, and failover timings.
 
 One real stack (tiny-qwen3) with two gateway replicas on a 3-node JetStream cluster (every stream
 and bucket with 3 replicas). Raw HTTP (JSON bodies) pins sizes and replicas.

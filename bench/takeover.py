@@ -1,4 +1,4 @@
-"""Takeover of a lost trainer group (issue 17, item 1): failover timings.
+"""Takeover of a lost trainer group: failover timings.
 
 One real stack (tiny-qwen3) with two trainer groups (`TINKERD_TRAINER_GROUPS=a,b`, 2 adapter
 slots each), heartbeats every 0.5 s and `TINKERD_PLANNER_GROUP_TIMEOUT_S` lowered to `TIMEOUT_S`

@@ -1,4 +1,4 @@
-"""Trainer on CPU (issue 4): ``TrainerEngine.forward_backward`` tokens/s, and what packing costs.
+"""Trainer on CPU: ``TrainerEngine.forward_backward`` tokens/s, and what packing costs.
 
 Two base models: ``tiny-qwen3`` (2.4M parameters) and a randomly initialised ~100M Qwen3
 (hidden 768, 12 layers, 12 heads, 4 kv heads, head_dim 64, ffn 2048, vocab 32000) written to a

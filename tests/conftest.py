@@ -1,4 +1,10 @@
-"""Shared fixtures: a real nats-server per test session, and a real Tinkerd stack per module."""
+"""Shared fixtures: a real nats-server per test, and a real Tinkerd stack per module.
+
+Tiers: a test that starts a whole stack is marked ``stack`` here, without a word in its module:
+it asks for the ``stack`` fixture (or the fault tests' ``reference`` run), or its module builds
+its own `tests.harness.Stack`. ``make check`` leaves out ``stack`` and ``slow`` tests;
+``make test`` runs every tier.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,29 @@ from tests.harness import Stack
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+
+STACK_FIXTURES = frozenset({"stack", "reference"})
+"""Names of the fixtures under tests/ that start a whole stack (this module's `stack`, a module's
+own `stack`, tests/faults/conftest.py's `reference`); a unit test's `reference` elsewhere is not one."""
+
+
+def starts_a_stack(item: pytest.Item) -> bool:
+    """Whether a test starts a whole stack: through such a fixture (used directly or through
+    another fixture), or because its module builds a `Stack` of its own."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs if info is not None else {}
+    for name in STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        if any(d.baseid == "tests" or d.baseid.startswith("tests/") for d in definitions.get(name, ())):
+            return True
+    module = getattr(item, "module", None)
+    return module is not None and getattr(module, "Stack", None) is Stack
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if starts_a_stack(item):
+            item.add_marker(pytest.mark.stack)
 
 
 @pytest.fixture

@@ -35,6 +35,8 @@ from services.gateway.config import GatewayConfig
 from tests.harness import Stack
 
 OWNER, OTHER = "tml-console-owner", "tml-console-other"
+pytestmark = pytest.mark.slow  # a browser (Chromium) drives the console against a stack
+
 ADMIN_KEY = "console-admin-key"
 STEPS = 3
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

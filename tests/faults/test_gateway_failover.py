@@ -1,4 +1,4 @@
-"""kill -9 of one of two gateway replicas loses nothing (issue 17, item 4).
+"""kill -9 of one of two gateway replicas loses nothing.
 
 The stack runs two gateways. Replica 0 carries a fault point that SIGKILLs it right after it has
 claimed its 3rd training seq_id and before it appended the command: the worst moment, the claim
@@ -24,6 +24,8 @@ import pytest
 
 from tests.faults.workload import exactly_once
 from tests.harness import READY_MARKERS, Stack
+
+pytestmark = pytest.mark.slow  # a fault test: a stack of its own, kills and restarts
 
 VOCAB = 2048  # tiny-qwen3
 STEPS = 4

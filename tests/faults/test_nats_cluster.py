@@ -1,4 +1,4 @@
-"""kill -9 of one node of a 3-node JetStream cluster under SDK training traffic (issue 17, item 5).
+"""kill -9 of one node of a 3-node JetStream cluster under SDK training traffic.
 
 The stack runs on a 3-node cluster (`Stack(nats_nodes=3)`): every stream, bucket and the object
 store has 3 replicas, and every service is given all three URLs. First the seeded SDK workload
@@ -22,6 +22,8 @@ from libs.contracts import subjects as s
 from tests.faults.conftest import FAULT_ENV
 from tests.faults.workload import EventTrigger, differences, exactly_once, run_workload
 from tests.harness import Stack
+
+pytestmark = pytest.mark.slow  # a fault test: a 3-node cluster, its elections take minutes
 
 TENANTS = 1  # one tenant keeps the module fast; the reference and the faulted run each have it
 

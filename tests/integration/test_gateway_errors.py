@@ -1,4 +1,4 @@
-"""Every error the gateway promises (issue #3, part 5): its HTTP status and its message.
+"""Every error the gateway promises: its HTTP status and its message.
 
 Raw HTTP against the real stack (JSON bodies, the form SDKs <= 0.24 send), plus the official SDK
 where it surfaces the error itself. Limits, overload and keys-file mode run on a second, small

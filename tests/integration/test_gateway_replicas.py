@@ -1,4 +1,4 @@
-"""Two gateway replicas on one NATS (issue 17, item 4): any replica answers anything, exactly once.
+"""Two gateway replicas on one NATS: any replica answers anything, exactly once.
 
 One stack runs two gateways (`gateway`, `gateway-1`) on their own ports. Every test sends the
 same request to both, or alternates replicas call by call, and checks what one gateway alone
