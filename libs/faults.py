@@ -77,6 +77,12 @@ def service() -> str:
     return os.environ.get("TINKERD_SERVICE", "")
 
 
+def hits(name: str) -> int:
+    """How often this process has reached point `name` while a spec named it (`@N` counts on)."""
+    with _lock:
+        return _hits[name]
+
+
 def service_point(name: str) -> None:
     """A point in code that several services share, named after the service running it."""
     crash_point(f"{service()}.{name}")

@@ -12,11 +12,11 @@ import pytest
 from libs.checkpoints import layout
 from libs.contracts.common import LoraConfig
 from libs.contracts.publish import PublishCommand
-from libs.faults import fired, release
+from libs.faults import fired, hits, release
 from services.trainer.saves import BackgroundSaves
 from services.trainer.state.checkpoints import PendingSave
 
-HOLD = ".checkpoint_write@1:hold"  # the first file written in this process (no service name here)
+POINT = ".checkpoint_write"  # no service name in a test process
 
 
 def pending(data_dir: Path, model_id: str, unit_id: str) -> PendingSave:
@@ -39,7 +39,8 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
     """Model m's first save is held mid-file: n's save, submitted after it, is handed over while
     m's is still unwritten, m's second save only after m's first, and each only with its files."""
     faults = tmp_path / "faults"
-    monkeypatch.setenv("TINKERD_FAULT_POINTS", HOLD)
+    hold = f"{POINT}@{hits(POINT) + 1}:hold"  # the next file this process writes (earlier tests may have counted)
+    monkeypatch.setenv("TINKERD_FAULT_POINTS", hold)
     monkeypatch.setenv("TINKERD_FAULT_DIR", str(faults))
     handed: list[str] = []
     complete: dict[str, bool] = {}
@@ -58,11 +59,11 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
         await saves.submit(pending(tmp_path, "n", "u3"))
         assert await asyncio.wait_for(arrived.get(), 30) == "n:u3"
         assert saves.pending == 2 and handed == ["n:u3"]
-        release(HOLD, faults)
+        release(hold, faults)
         await asyncio.wait_for(saves.drain(), 30)
         saves.close()
 
     asyncio.run(main())
-    assert fired(HOLD, faults)
+    assert fired(hold, faults)
     assert handed == ["n:u3", "m:u1", "m:u2"]
     assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"
