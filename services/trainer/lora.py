@@ -326,6 +326,8 @@ class SlotAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=device))
         align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
         self.width = -(-self.parts * max_rank // align) * align
+        self.compute_A: torch.Tensor
+        self.compute_B: torch.Tensor
         self.register_buffer(
             "compute_A", torch.zeros(num_slots + 1, self.width, in_local, device=device, dtype=dtype), persistent=False
         )
