@@ -10,7 +10,8 @@ SPMD contract: with tensor parallelism every rank of the TP group makes the same
 same arguments in the same order (collectives run inside forward, backward, ``optim_step``,
 ``get_slot_state`` and ``export_peft``); every rank returns the same results.
 
-Invariant: gradients accumulate in each slot's tensors across ``forward_backward`` calls and
+Invariant: gradients accumulate in each slot's tensors (the fp32 masters of ``lora.py``, whose
+compute copies the forward reads) across ``forward_backward`` calls and
 leave only through that slot's ``optim_step``, ``discard_grads``, ``release_slot`` or
 ``set_slot_state``; nothing a call does to one slot changes another slot's weights, moments,
 step counter or gradients.
@@ -160,6 +161,7 @@ class TrainerEngine:
         self.fused_ce: bool | None = resolve_fused_ce(config.fused_cross_entropy, config.device)
         self.loss_paths = LossPathChooser()
         self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
+        self.fused_ce_ahead: bool | None = None  # d logits made in forward; None: memory allowing
         # slot -> a token that changes whenever anything of the slot's state may change (weights,
         # moments, step, gradients, pending): unique across engines, so a snapshot can tell that
         # a slot still holds exactly what an earlier snapshot recorded (``state_versions``)
@@ -386,7 +388,9 @@ class TrainerEngine:
             )  # [T, 1, H]
         finally:
             self.model.post_process = True
-        return lm_head_logprobs(self.model, self.pool, hidden, batch.labels[0], self.fused_ce_chunk)
+        return lm_head_logprobs(
+            self.model, self.pool, hidden, batch.labels[0], self.fused_ce_chunk, self.fused_ce_ahead
+        )
 
     @contextlib.contextmanager
     def _routed(self, batch: PackedBatch) -> Any:

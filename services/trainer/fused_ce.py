@@ -260,7 +260,12 @@ def fused_target_logprobs(
 
 
 def lm_head_logprobs(
-    model: Any, pool: Any, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
+    model: Any,
+    pool: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int | None = None,
+    ahead: bool | None = None,
 ) -> torch.Tensor:
     """Target log-probabilities of the packed stream from the decoder's output ``hidden``.
 
@@ -269,6 +274,7 @@ def lm_head_logprobs(
         pool: the ``lora.AdapterPool`` whose ``routing.segments`` describe the stream.
         hidden: [T, 1, H] the final-norm hidden states (what the output layer would read).
         targets: [T] int64 target ids.
+        chunk, ahead: as ``fused_target_logprobs``.
 
     Returns:
         [T] fp32, as ``-token_loss`` of the unfused model would be (within rounding).
@@ -296,4 +302,4 @@ def lm_head_logprobs(
         bs.append(b)
         segments.append((seg.start, seg.end, len(us) - 1))
     h = copy_to_tensor_model_parallel_region(rows)  # dh of every vocabulary shard is summed
-    return fused_target_logprobs(h, weight, targets, segments, us, bs, chunk)
+    return fused_target_logprobs(h, weight, targets, segments, us, bs, chunk, ahead)
