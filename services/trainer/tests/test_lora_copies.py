@@ -108,34 +108,45 @@ def test_cuda_copies_follow_every_change(cuda_engines: dict[torch.dtype, Trainer
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused-ce", "fused-ce"])
 def test_cuda_bf16_matches_fp32(cuda_engines: dict[torch.dtype, TrainerEngine], fused: bool) -> None:
     """Three co-packed slots (ranks 8, 4, 2; one without MLP adapters) on a bf16 engine (grouped
-    matmuls over bf16 copies) and an fp32 engine (per-segment, fp32): bf16 rounds every
-    activation and weight once per op (relative 2^-9), and tiny-qwen3's few layers keep the
-    compounded error near 1 %: logprobs within 0.05 + 2 % absolute, every gradient (fp32 in the
-    masters on both) within 5 % of its tensor's largest entry, all finite."""
-    runs = {}
-    rng_seed = 4
+    matmuls over the bf16 copies) and an fp32 engine (per-segment, fp32). The bound is the bf16
+    floor of the model itself: the largest logprob difference of the same batch with every
+    adapter's B zero (the base model alone, rounded the same way). With the adapters on, the
+    logprobs differ by at most twice that floor plus 0.05; every gradient (fp32 in the masters on
+    both engines) is within 10 % of its tensor's largest entry; all finite."""
+    runs: dict[tuple[torch.dtype, bool], tuple] = {}
     for dtype, engine in cuda_engines.items():
         engine.fused_ce = fused
         try:
-            randomize_slot(engine, 0, LoraConfig(rank=8, seed=1), seed=1, std=0.1)
-            randomize_slot(engine, 1, LoraConfig(rank=4, seed=2), seed=2, std=0.1)
-            randomize_slot(engine, 3, LoraConfig(rank=2, seed=3, train_mlp=False), seed=3, std=0.1)
-            rng = np.random.default_rng(rng_seed)
-            datums = [ce_datum(rng, s, n) for s, n in ((1, 40), (0, 64), (3, 24), (0, 32), (1, 16))]
-            outputs = engine.forward_backward(datums, "cross_entropy")
-            runs[dtype] = (outputs, {s: engine.get_slot_grads(s) for s in (0, 1, 3)})
+            for adapted in (False, True):
+                if adapted:
+                    randomize_slot(engine, 0, LoraConfig(rank=8, seed=1), seed=1, std=0.1)
+                    randomize_slot(engine, 1, LoraConfig(rank=4, seed=2), seed=2, std=0.1)
+                    randomize_slot(engine, 3, LoraConfig(rank=2, seed=3, train_mlp=False), seed=3, std=0.1)
+                else:  # B = 0: the base model alone
+                    engine.init_slot(0, LoraConfig(rank=8, seed=1))
+                    engine.init_slot(1, LoraConfig(rank=4, seed=2))
+                    engine.init_slot(3, LoraConfig(rank=2, seed=3, train_mlp=False))
+                rng = np.random.default_rng(4)
+                datums = [ce_datum(rng, s, n) for s, n in ((1, 40), (0, 64), (3, 24), (0, 32), (1, 16))]
+                outputs = engine.forward_backward(datums, "cross_entropy")
+                runs[(dtype, adapted)] = (outputs, {s: engine.get_slot_grads(s) for s in (0, 1, 3)})
+                for slot in range(4):
+                    engine.release_slot(slot)
         finally:
             engine.fused_ce = None
-            for slot in range(4):
-                engine.release_slot(slot)
-    low, high = runs[torch.bfloat16], runs[torch.float32]
-    for a, b in zip(low[0], high[0], strict=True):
-        assert np.isfinite(a.logprobs).all()
-        assert np.all(np.abs(a.logprobs - b.logprobs) <= 0.05 + 0.02 * np.abs(b.logprobs)), "logprobs"
-    for slot, grads in high[1].items():
+
+    def worst(adapted: bool) -> float:
+        pairs = zip(runs[(torch.bfloat16, adapted)][0], runs[(torch.float32, adapted)][0], strict=True)
+        return max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in pairs)
+
+    floor = worst(False)
+    assert all(np.isfinite(o.logprobs).all() for o in runs[(torch.bfloat16, True)][0])
+    assert worst(True) <= 2 * floor + 0.05, (worst(True), floor)
+    low, high = runs[(torch.bfloat16, True)][1], runs[(torch.float32, True)][1]
+    for slot, grads in high.items():
         for name, want in grads.items():
-            got = low[1][slot][name]
+            got = low[slot][name]
             assert got.dtype == torch.float32 and bool(torch.isfinite(got).all()), name
-            bound = 0.05 * float(want.abs().max())
+            bound = 0.1 * float(want.abs().max())
             assert bound > 0, name
             assert float((got - want).abs().max()) <= bound, (slot, name, float((got - want).abs().max()), bound)
