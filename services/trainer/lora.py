@@ -599,7 +599,17 @@ class AdapterPool(nn.Module):
                 for t in self.targets
             }
         )
+        # Every master's gradient is a block of one flat fp32 buffer (zeros, allocated here, the
+        # memory the first backward used to allocate): the optimizer reduces the whole buffer in
+        # one kernel for every slot's gradient norm (optim._flat_chunks).
+        params = list(self.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params), device=device)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
         self._handles: list[Any] = []
+        self._refresh_views: dict[tuple[int, int], tuple[Any, ...]] = {}  # see _run_views
         # slot -> (the config its tensors were listed for, the list): see slot_tensors
         self._slot_tensors: dict[int, tuple[LoraConfig, list[SlotTensor]]] = {}
 
@@ -643,12 +653,50 @@ class AdapterPool(nn.Module):
 
     def refresh(self, slots: Iterable[int]) -> None:
         """Write the compute copies of ``slots`` from their master values: after anything
-        changes them other than through the parameters themselves (``optim_step``, a load)."""
-        slots = list(slots)
-        for module in self.adapters.values():
-            assert isinstance(module, SlotAdapter)
-            module.refresh_slots(slots)
+        changes them other than through the parameters themselves (``optim_step``, a load).
+
+        Per run of consecutive initialised slots of one rank, every adapter at once: one
+        multi-tensor copy for all ``A`` (cast), one multi-tensor product for all ``B`` by the
+        scaling (fp32), one multi-tensor copy for the unfused ``B``, and one cast and scatter
+        per fused ``B`` (its block diagonal); the same values as ``SlotAdapter.refresh``."""
+        configs = self.routing.configs
+        modules = [m for m in self.adapters.values() if isinstance(m, SlotAdapter)]
+        for start, stop in _rank_runs(slots, configs):
+            if start not in configs:
+                for module in modules:
+                    module.refresh_slots(range(start, stop))
+                continue
+            dst_a, src_a, src_b, dst_plain, plain, fused = self._run_views(modules, start, stop)
+            with torch.no_grad():
+                torch._foreach_copy_(dst_a, src_a)
+                scaled = torch._foreach_mul(src_b, lora_scaling(configs[start].rank))  # fp32
+                torch._foreach_copy_(dst_plain, [scaled[i] for i in plain])
+                for i, dst, index in fused:
+                    dst.scatter_(2, index, scaled[i].to(dst.dtype))
+        for module in modules:
             module.ensure_synced()  # a write through the parameter itself, too
+
+    def _run_views(self, modules: list[SlotAdapter], start: int, stop: int) -> tuple[Any, ...]:
+        """The views ``refresh`` writes and reads for slots ``[start, stop)`` (kept: slicing a
+        few hundred parameters costs more host time than the copies themselves)."""
+        key = (start, stop)
+        if key not in self._refresh_views:
+            if len(self._refresh_views) > 64:
+                self._refresh_views.clear()
+            dst_a, src_a, src_b, dst_plain, plain, fused = [], [], [], [], [], []
+            for i, m in enumerate(modules):
+                a = m.lora_A.data[start:stop].flatten(1, 2)  # [n, parts*r_max, in]
+                src_a.append(a)
+                dst_a.append(m.compute_A[start:stop, : a.shape[1]])
+                src_b.append(m.lora_B.data[start:stop])  # [n, out, r_max]
+                if m.diag_index is None:
+                    plain.append(i)
+                    dst_plain.append(m.compute_B[start:stop, :, : m.max_rank])
+                else:
+                    index = m.diag_index.expand(stop - start, *m.diag_index.shape)
+                    fused.append((i, m.compute_B[start:stop], index))
+            self._refresh_views[key] = (dst_a, src_a, src_b, dst_plain, plain, fused)
+        return self._refresh_views[key]
 
     def clear_slot(self, slot: int) -> None:
         """Zero the slot's tensors and gradients and forget its config."""

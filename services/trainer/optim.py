@@ -111,6 +111,8 @@ class _Layout:
     epoch: int = -1
     poolable: bool = False  # every parameter has a gradient, and all of them and their moments are contiguous
     runs: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
+    flat: Any = None  # see _flat_chunks; valid while flat_known
+    flat_known: bool = False
 
 
 class SlotAdamW:
@@ -156,6 +158,7 @@ class SlotAdamW:
         ):
             layout.grads, layout.epoch = grads, layout.epoch + 1
             layout.runs.clear()
+            layout.flat, layout.flat_known = None, False
             layout.poolable = all(
                 g is not None and g.is_contiguous() and p.data.is_contiguous()
                 for p, g in zip(layout.params, grads, strict=True)
@@ -588,11 +591,25 @@ def _pooled_squares(
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     rows: list[torch.Tensor] = []
     owners: list[tuple[int, bool, bool]] = []
+    whole: dict[tuple[int, int], torch.Tensor] = {}  # (id(buffer), chunk) -> its chunk norms, once per call
     for layout, members in by_layout.values():
         sharded = [t.kind is not ShardKind.REPLICATED for t in views[members[0]].tensors]
         order = [j for j, s in enumerate(sharded) if s] + [j for j, s in enumerate(sharded) if not s]
         split = sum(sharded)
         index_of = {slots[i]: i for i in members}
+        flat = _flat_chunks(layout, order, split)
+        if flat is not None:
+            buffer, chunk, picks = flat
+            key = (id(buffer), chunk)
+            if key not in whole:
+                whole[key] = torch.linalg.vector_norm(buffer.view(-1, chunk), 2, dim=1, dtype=torch.float64)
+            for slot, i in index_of.items():
+                first, second = picks[0][slot], picks[1][slot]
+                for part in (first, second):
+                    if part.numel():
+                        rows.append(whole[key][part])
+                owners.append((i, first.numel() > 0, second.numel() > 0))
+            continue
         for start, stop in _runs(list(index_of)):
             n = stop - start
             pieces = []
@@ -619,6 +636,49 @@ def _pooled_squares(
             second = next(norms) ** 2 if has_replicated else zero
             out[i] = (first, second)
     return out
+
+
+def _flat_chunks(
+    layout: _Layout, order: list[int], split: int
+) -> tuple[torch.Tensor, int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
+    """Where every gradient of ``layout`` is a contiguous block of one flat buffer (the pool
+    allocates them so, ``lora.AdapterPool``): (the buffer, the chunk length, for each slot the
+    indices of its chunks, TP-sharded parameters' then replicated ones'). The whole buffer's
+    chunk norms are then one reduction of a fixed shape, whichever slots a call steps; None
+    otherwise. Kept on the layout (forgotten when its gradients change)."""
+    if layout.flat_known:
+        flat: tuple[torch.Tensor, int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = layout.flat
+        return flat
+    grads = layout.grads
+    base = grads[0]._base if grads and grads[0] is not None else None
+    result = None
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.is_contiguous()
+        and all(g is not None and g._base is base and g.is_contiguous() for g in grads)
+    ):
+        slots = grads[0].shape[0]  # type: ignore[union-attr]
+        chunk = _NORM_CHUNK
+        for g in grads:
+            assert g is not None
+            chunk = math.gcd(chunk, g.numel() // slots, g.storage_offset() - base.storage_offset())
+        chunk = math.gcd(chunk, base.numel())
+        per_slot: list[list[torch.Tensor]] = [[], []]
+        for which, js in ((0, order[:split]), (1, order[split:])):
+            for s in range(slots):
+                parts = []
+                for j in js:
+                    g = grads[j]
+                    assert g is not None
+                    n = g.numel() // slots
+                    first = (g.storage_offset() - base.storage_offset() + s * n) // chunk
+                    parts.append(torch.arange(first, first + n // chunk))
+                index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+                per_slot[which].append(index.to(base.device))
+        result = (base, chunk, (per_slot[0], per_slot[1]))
+    layout.flat, layout.flat_known = result, True
+    return result
 
 
 def _vector(parts: Sequence[torch.Tensor]) -> torch.Tensor:
