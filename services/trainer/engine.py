@@ -91,8 +91,10 @@ class LossPathChooser:
     call's own host sync, so timing adds none); the first of each is a warm-up. Every later call
     of that workload takes the faster. Where the unfused path's logits (about 10 bytes per token
     and vocabulary entry: bf16 logits, fp32 softmax and gradient) would not fit in half the free
-    device memory, the fused path is taken without a trial. Both paths compute the same
-    log-probabilities within bf16 rounding (test_fused_ce.py)."""
+    device memory, the fused path is taken without a trial. With tensor parallelism the engine
+    takes the fused path without trials (each rank's timings and free memory differ, and every
+    rank must take the same path). Both paths compute the same log-probabilities within bf16
+    rounding (test_fused_ce.py)."""
 
     TRIALS = (True, False, True, False)
 
@@ -285,6 +287,8 @@ class TrainerEngine:
         the call is one of ``LossPathChooser``'s timed trials."""
         if top_k or self.fused_ce is not None:
             return bool(self.fused_ce), None
+        if self.tp_size > 1:  # every rank must take the same path: no per-rank timings or memory
+            return True, None
         tokens = int(batch.input_ids.shape[-1])
         unembed = any(self.pool.configs[d.slot].trains("unembed") for d in datums)
         key = self.loss_paths.key(tokens, unembed)
