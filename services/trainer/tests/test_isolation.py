@@ -152,3 +152,41 @@ def test_a_step_that_would_leave_non_finite_state_is_rolled_back(
     good = reports[GOOD]
     assert good.applied and good.step == 2
     assert all(bool(torch.isfinite(v).all()) for v in _state(engine, GOOD).values())
+
+
+@pytest.fixture(scope="module")
+def cuda_engine(qwen_dir: object) -> TrainerEngine:
+    from services.trainer.engine import EngineConfig
+
+    return TrainerEngine(
+        EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", attention_backend="sdpa_per_document")
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loss", ["unfused-ce", "fused-ce-ahead", "fused-ce-recompute"])
+def test_cuda_an_overflowing_tenant_leaves_its_neighbours_bit_identical(cuda_engine: TrainerEngine, loss: str) -> None:
+    """The same on a bf16 CUDA engine with its defaults (grouped LoRA matmuls over the compute
+    copies, fused optimizer step), through each loss path: the unfused output layer, the fused
+    cross-entropy with d logits made in forward, and with them recomputed in backward."""
+    engine = cuda_engine
+    assert engine.pool.routing.stacked and grouped_mm_supported(torch.zeros(1, dtype=torch.bfloat16, device="cuda"))
+    engine.fused_ce, engine.fused_ce_chunk = loss != "unfused-ce", 4
+    engine.fused_ce_ahead = loss == "fused-ce-ahead"
+    try:
+        clean = _run(engine, overflow=False)
+        dirty = _run(engine, overflow=True)
+    finally:
+        engine.fused_ce, engine.fused_ce_chunk, engine.fused_ce_ahead = None, None, None
+    assert not all(bool(torch.isfinite(g).all()) for g in dirty.grads[BAD].values()), "BAD did not overflow"
+    for slot in (GOOD, THIRD):
+        for name, g in clean.grads[slot].items():
+            assert bool(torch.isfinite(dirty.grads[slot][name]).all()), f"slot {slot} {name}: non-finite gradient"
+            assert torch.equal(dirty.grads[slot][name], g), f"slot {slot} {name}: gradient changed by its neighbour"
+        for name, value in clean.states[slot].items():
+            assert torch.equal(dirty.states[slot][name], value), f"slot {slot} {name}: state changed by its neighbour"
+        assert dirty.reports[slot] == clean.reports[slot] and dirty.reports[slot].applied
+    for datum, got, want in zip(_batch(False), dirty.outputs, clean.outputs, strict=True):
+        if datum.slot != BAD:
+            assert np.array_equal(got.logprobs, want.logprobs) and got.loss == want.loss
+    assert not dirty.reports[BAD].applied

@@ -311,3 +311,40 @@ def test_norm_results_are_read_as_one_vector_equal_to_stacking_them(device: str)
     assert _vector(list(buffer.unbind(0))) is buffer
     strided = list(torch.arange(12.0, device=device)[::3].unbind(0))
     assert torch.equal(_vector(strided), torch.stack(strided))
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["own-grads", "flat-grads"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_pooled_norms_are_each_slots_own(device: str, flat: bool) -> None:
+    """Slots that train whole pooled rows (rank = the pool's) get their gradient norms from the
+    chunked pooled reduction (per parameter and run; ``flat-grads``: the gradients are blocks of
+    one buffer, as the adapter pool allocates them, reduced whole): each equals the norm of that slot's gradients alone (fp64, within
+    1e-12 relative), and a slot's reported norm is bit-for-bit the same stepped alone, with
+    seven neighbours, and with a neighbour whose gradients are non-finite (which is skipped)."""
+    slots, rank = 8, 16  # rows of 16*64, 96*16, 16*48, 64*16 floats: multiples of 64 (pooled on CPU)
+    norms: dict[str, dict[int, float]] = {}
+    for label, stepped, poison in (("alone", [3], None), ("eight", list(range(8)), None), ("nan", [2, 3], 2)):
+        params = _pool(slots, rank, device, seed=0)
+        if flat:
+            buffer = torch.zeros(sum(p.numel() for p in params), device=device)
+            offset = 0
+            for p in params:
+                p.grad = buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        gen = torch.Generator(device=device).manual_seed(1)
+        grads = {s: _set_grads(params, s, rank, gen, 1e-2) for s in range(slots)}
+        if poison is not None:
+            params[1].grad[poison, 0, 0] = float("nan")  # type: ignore[index]
+        optimizer = _optimizer(device)
+        hp = AdamParams(learning_rate=1e-3)
+        reports = optimizer.step_many([(s, _tensors(params, s, rank), hp) for s in stepped])
+        layout = optimizer._cached[stepped[0]].layout
+        assert layout is not None and layout.poolable and (layout.flat is not None) == flat
+        norms[label] = {s: r.grad_norm for s, r in reports.items()}
+        for s in stepped:
+            want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads[s]))
+            if s == poison:
+                assert math.isnan(reports[s].grad_norm) and not reports[s].applied
+            else:
+                assert math.isclose(reports[s].grad_norm, want, rel_tol=1e-12), (s, reports[s].grad_norm, want)
+    assert norms["alone"][3] == norms["eight"][3] == norms["nan"][3]
