@@ -16,7 +16,7 @@ from libs.faults import fired, hits, release
 from services.trainer.saves import BackgroundSaves
 from services.trainer.state.checkpoints import PendingSave
 
-POINT = ".checkpoint_write"  # no service name in a test process
+POINT = "trainer.checkpoint_write"  # the test names its process the trainer (TINKERD_SERVICE)
 
 
 def pending(data_dir: Path, model_id: str, unit_id: str) -> PendingSave:
@@ -40,6 +40,7 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
     m's is still unwritten, m's second save only after m's first, and each only with its files."""
     faults = tmp_path / "faults"
     hold = f"{POINT}@{hits(POINT) + 1}:hold"  # the next file this process writes (earlier tests may have counted)
+    monkeypatch.setenv("TINKERD_SERVICE", "trainer")
     monkeypatch.setenv("TINKERD_FAULT_POINTS", hold)
     monkeypatch.setenv("TINKERD_FAULT_DIR", str(faults))
     handed: list[str] = []
