@@ -25,13 +25,13 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from bench.common import random_peft_adapter
-from infra.supervisor import free_port
 from libs.models.tiny import build_tiny
 from services.gateway import sglang
 from services.gateway.engines import Adapter, EnginePool, rendezvous
 from services.sampler.app import create_app
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine
+from tests.netutil import unused_port
 
 URL = "http://testserver.local"
 GREEDY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
@@ -142,7 +142,7 @@ async def test_adapters_left_under_the_data_root_count_against_the_limit(
 async def test_an_unreachable_engine_is_unavailable_not_a_refusal(data_root: Path) -> None:
     """Nothing listens on the engine's port: `generate` raises `EngineUnavailable` (the sample
     waits for it), and waiting for it to come back times out while it stays away."""
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{unused_port()}"
     async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
         pool = EnginePool(http, [url], capacity=2, data_root=data_root)
         with pytest.raises(sglang.EngineUnavailable) as down:
