@@ -205,6 +205,11 @@ class Child:
         return next((line for line in reversed(self.tail) if line.strip() and containing in line), "")
 
 
+NATS = "nats"
+Exit = tuple[str, "subprocess.Popen[bytes] | None"]
+"""What the supervisor's queue carries: a child (or NATS) and the process of it that ended."""
+
+
 class SupervisedNats:
     """The embedded nats-server: restarted on the same port and store whenever it exits."""
 
@@ -228,14 +233,14 @@ class SupervisedNats:
         assert self.server is not None
         return self.server.url
 
-    def watch(self, exits: queue.Queue[str]) -> None:
+    def watch(self, exits: queue.Queue[Exit]) -> None:
         """Report the server's exit (reaping it: no zombie) to the supervisor's queue."""
         server = self.server
         assert server is not None
 
         def wait() -> None:
             server.process.wait()
-            exits.put(NATS)
+            exits.put((NATS, None))
 
         threading.Thread(target=wait, name="nats-watch", daemon=True).start()
 
@@ -244,7 +249,6 @@ class SupervisedNats:
             self.server.stop()
 
 
-NATS = "nats"
 
 
 class Supervisor:
@@ -269,7 +273,7 @@ class Supervisor:
             name: Child(name, {**base_env, **extra.get(name, {})})
             for name, base_env in expand_services(services, env).items()
         }
-        self.exits: queue.Queue[str] = queue.Queue()
+        self.exits: queue.Queue[Exit] = queue.Queue()
         self.stopping = threading.Event()
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
         self.on_line = on_line
@@ -385,7 +389,7 @@ class Supervisor:
                 self._on_ready(child)
             self.say(child.name, line)
         process.wait()
-        self.exits.put(child.name)
+        self.exits.put((child.name, process))
 
     def run(self) -> None:
         if self.nats is not None:
@@ -395,7 +399,7 @@ class Supervisor:
             self.start(child)
         while not self.stopping.is_set():
             try:
-                name = self.exits.get(timeout=0.5)
+                name, ended = self.exits.get(timeout=0.5)
             except queue.Empty:
                 self._check_liveness()
                 continue
@@ -406,6 +410,8 @@ class Supervisor:
                 continue
             child = self.children[name]
             assert child.process is not None
+            if ended is not child.process or child.process.poll() is None:
+                continue  # a release of a child that already runs again, or a stale report
             code = child.process.returncode
             if name in self.held:
                 self._set_state(child, st.STOPPED, f"exited with code {code}; held down")
@@ -447,7 +453,7 @@ class Supervisor:
         """Start a held service again (through the restart path, with its backoff)."""
         if name in self.held:
             self.held.discard(name)
-            self.exits.put(name)
+            self.exits.put((name, self.children[name].process))
 
     @staticmethod
     def _backoff(child: Child | SupervisedNats) -> float:

@@ -28,7 +28,7 @@ PROMPT = types.ModelInput.from_ints([5, 6, 7])
 def base_sample(base_url: str, key: str) -> list[int]:
     """One greedy sample of the base model through the SDK."""
     service = tinker.ServiceClient(base_url=base_url, api_key=key)
-    sampler = service.create_sampling_client(base_model="tiny-qwen3")
+    sampler = service.create_sampling_client(base_model="tiny-qwen3").result()
     out = sampler.sample(PROMPT, num_samples=1, sampling_params=GREEDY).result(timeout=300)
     return list(out.sequences[0].tokens)
 
@@ -70,6 +70,7 @@ def test_a_sampler_port_taken_while_it_was_down_is_replaced_and_sampling_follows
         old = stack.sampler_url
         stack.stop_service("sampler")
         with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its old connections linger in TIME_WAIT
             sock.bind(("127.0.0.1", int(old.rsplit(":", 1)[1])))
             sock.listen()
             assert stack.start_service("sampler").wait(240), stack.dump_logs()
