@@ -107,9 +107,9 @@ def start_nats(
 
     Args:
         data_dir: JetStream store directory (created if missing); reused data survives restarts.
-        port: client port, or -1 for any free port.
+        port: client port, or -1 for one the server picks when it binds.
         host: bind address; loopback by default.
-        monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a free port.
+        monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a port the server picks.
         ready_timeout_s: give up (and kill the server) if it is not ready by then.
         log_sink: append the server's log lines to this file as well.
         sync_interval: JetStream's fsync interval (see DEFAULT_SYNC_INTERVAL).
