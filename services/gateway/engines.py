@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from infra.net import announced_path, resolve_address
-from infra.stack_state import RESTARTING, describe, read_state
+from infra.stack_state import UP, ServiceState, describe, read_state
 from services.gateway import sglang
 
 log = logging.getLogger("tinkerd.gateway.engines")
@@ -137,7 +137,7 @@ class Engine:
         self.failing_since = None
         self.reason = ""
 
-    def _child(self) -> tuple[str, Any] | None:
+    def _child(self) -> tuple[str, ServiceState] | None:
         """(name, state) of the supervised child that announces this engine's address, if any."""
         path = announced_path(self.address)
         stack = read_state(self.state_file) if path is not None and self.state_file is not None else None
@@ -153,7 +153,7 @@ class Engine:
             return 0.0
         since = self.failing_since
         child = self._child()
-        if child is not None and child[1].state == RESTARTING and child[1].failing_since_ns:
+        if child is not None and child[1].state != UP and child[1].failing_since_ns:
             since = min(since, child[1].failing_since_ns / 1e9)
         return max(0.0, time.time() - since)
 
@@ -161,7 +161,7 @@ class Engine:
         """`ADDRESS: reason` (and the supervisor's account of its process, when it has one)."""
         text = f"{self.address}: {self.reason or 'unavailable'}"
         child = self._child()
-        if child is not None and child[1].state != "up":
+        if child is not None and child[1].state != UP:
             text += f"; supervisor: {describe(*child)}"
         return text
 

@@ -105,7 +105,8 @@ def test_each_of_three_starts_samples_while_another_process_churns_ephemeral_por
 
 def test_a_sampler_that_cannot_start_is_reported_and_its_samples_fail_naming_it(tmp_path: Path) -> None:
     """The sampler is given a model directory that does not exist, so it exits at every start.
-    healthz answers 503 naming it and how it exited, `tinkerd status` shows it, a waiting sample's
+    healthz answers 503 naming it and how it exited, `tinkerd status` and the operator status show
+    it, a waiting sample's
     queue_state names the engine, and the sample fails (not `try_again` until its 1,800 s
     deadline) once the engine has been failing for the configured bound, naming it and why."""
     missing = tmp_path / "no-such-model"
@@ -142,6 +143,9 @@ def test_a_sampler_that_cannot_start_is_reported_and_its_samples_fail_naming_it(
         )
         line = next(x for x in status.stdout.splitlines() if x.strip().startswith("sampler "))
         assert "exited with code 1" in line, status.stdout
+        operator = httpx.get(f"{stack.base_url}/api/v1/operator/status", timeout=30).json()["services"]
+        assert operator["sampler"]["state"] in ("starting", "restarting"), operator
+        assert operator["sampler"]["restarts"] >= 1 and operator["sampler"]["failing_since_ns"], operator
 
         watch = Watcher(stack.nats_url).start()
         with pytest.raises(tinker.RequestFailedError) as failed:
