@@ -20,8 +20,9 @@ def unused_port() -> int:
 
 
 CHURN = """
-import socket, sys
+import socket, sys, time
 for _ in range(int(sys.argv[1])):
+    time.sleep(0.001)  # pacing: leave the machine's cores to the stack under test
     listeners = []
     for _ in range(64):
         s = socket.socket()
@@ -35,5 +36,6 @@ for _ in range(int(sys.argv[1])):
 
 def churn_ports(rounds: int) -> subprocess.Popen[bytes]:
     """Start a process that opens and closes short-lived listeners on 127.0.0.1 (ports of the
-    kernel's choice), 64 at a time, `rounds` times: what a busy machine does to ephemeral ports."""
+    kernel's choice), 64 at a time, `rounds` times (about a millisecond apart): what a busy
+    machine does to ephemeral ports. The caller kills it when done."""
     return subprocess.Popen([sys.executable, "-c", CHURN, str(rounds)])
