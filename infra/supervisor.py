@@ -6,6 +6,14 @@ exits (a crash, kill -9) is restarted with backoff, nats-server on the same port
 service that stops showing signs of life (its liveness file, touched every few seconds by its
 event loop, goes stale: a frozen or deadlocked process) is killed and restarted the same way; and
 Ctrl-C (or SIGTERM) stops everything, nats-server included, leaving no process behind.
+
+Addresses: no port is chosen by probing. nats-server picks its own ports; each HTTP service
+(gateway, sampler) binds its own socket and announces the bound address in `DATA/run/<child>.addr`
+(`infra/net.py`), which is how the gateway finds the samplers (`file://` engine addresses). A port
+the supervisor let the kernel choose is kept across restarts, and chosen anew when it was taken
+meanwhile; a configured port that cannot be bound fails the stack after `MAX_BIND_FAILURES`
+attempts, with the holder named. Each child's state (starting, up, restarting, ...) is written to
+`DATA/run/stack.json` (`infra/stack_state.py`) for healthz and `tinkerd status`.
 """
 
 from __future__ import annotations
@@ -14,18 +22,20 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra import stack_state as st
 from infra.config import DEFAULT_DATA_DIR
 from infra.natsd import NatsServer, start_nats
+from infra.net import ANNOUNCED, BIND_FAILED_EXIT, BIND_FAILED_PREFIX, BindError, read_announcement
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
@@ -54,10 +64,28 @@ def with_gateway_replicas(
     return tuple(n for n in services if n != "gateway") + names, child_env
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+READY_MARKERS = {
+    "gateway": "gateway serving on",
+    "planner": "planner ready",
+    "trainer": "tinkerd.trainer: trainer",
+    "publisher": "publisher ready",
+    "sampler": "sampler serving on",
+}
+"""The log line that says a service is up (an HTTP service's: it serves on its announced address)."""
+PORT_VARS = {"gateway": "TINKERD_GATEWAY_PORT", "sampler": "TINKERD_SAMPLER_PORT"}
+"""The HTTP services, by the variable of the port they bind (0: the kernel picks one)."""
+MAX_BIND_FAILURES = 3
+"""Attempts to bind a configured address before the supervisor gives up and the stack stops."""
+
+
+def run_dir_of(data_dir: Path) -> Path:
+    """Where liveness files, address announcements and the stack state live."""
+    return data_dir / "run"
+
+
+def announce_path(run_dir: Path, child: str) -> Path:
+    """The file where child `child` announces the address it bound."""
+    return run_dir / f"{child}.addr"
 
 
 def _prefix(name: str) -> str:
@@ -108,8 +136,9 @@ def child_label(base: str) -> str:
 
 def with_base_samplers(env: dict[str, str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     """(`env` with `TINKERD_GATEWAY_BASE_SAMPLER_URLS` extended, the children `sampler@<base>`):
-    a sampler per base of `sampler_bases`, on a free port, serving that base's model directory
-    (built first when it is an embedded tiny model)."""
+    a sampler per base of `sampler_bases`, on a port it picks when it binds (announced in its
+    `.addr` file, which is the engine address the gateway is given), serving that base's model
+    directory (built first when it is an embedded tiny model)."""
     from libs.models.registry import resolve_base_model
 
     bases = sampler_bases(env)
@@ -119,13 +148,10 @@ def with_base_samplers(env: dict[str, str]) -> tuple[dict[str, str], dict[str, d
     children: dict[str, dict[str, str]] = {}
     entries = [e for e in env.get("TINKERD_GATEWAY_BASE_SAMPLER_URLS", "").split(",") if e.strip()]
     for base in bases:
-        port = free_port()
         path = resolve_base_model(base, data_dir).path
-        children[f"sampler@{child_label(base)}"] = {
-            "TINKERD_SAMPLER_MODEL_PATH": str(path),
-            "TINKERD_SAMPLER_PORT": str(port),
-        }
-        entries.append(f"{base}=http://127.0.0.1:{port}")
+        child = f"sampler@{child_label(base)}"
+        children[child] = {"TINKERD_SAMPLER_MODEL_PATH": str(path), "TINKERD_SAMPLER_PORT": "0"}
+        entries.append(f"{base}={ANNOUNCED}{announce_path(run_dir_of(data_dir.resolve()), child)}")
     return {**env, "TINKERD_GATEWAY_BASE_SAMPLER_URLS": ",".join(entries)}, children
 
 
@@ -164,6 +190,24 @@ class Child:
     started_at: float = 0.0
     log_thread: threading.Thread | None = field(default=None, repr=False)
     liveness: Path | None = None  # touched by the service's event loop (infra/runner.py)
+    announce: Path | None = None  # where an HTTP service announces its bound address
+    chosen_port: bool = False  # its port is the kernel's choice (kept across restarts), not configured
+    bind_failures: int = 0  # consecutive starts that could not bind a configured address
+    state: st.ServiceState = field(default_factory=lambda: st.ServiceState(state=st.STARTING, since_ns=time.time_ns()))
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40), repr=False)
+
+    @property
+    def port_var(self) -> str | None:
+        return PORT_VARS.get(service_of(self.name))
+
+    def last_line(self, containing: str = "") -> str:
+        """Its last non-empty log line (that contains `containing`), for a failure's detail."""
+        return next((line for line in reversed(self.tail) if line.strip() and containing in line), "")
+
+
+NATS = "nats"
+Exit = tuple[str, "subprocess.Popen[bytes] | None"]
+"""What the supervisor's queue carries: a child (or NATS) and the process of it that ended."""
 
 
 class SupervisedNats:
@@ -176,6 +220,7 @@ class SupervisedNats:
         self.server: NatsServer | None = None
         self.restarts = 0
         self.started_at = 0.0
+        self.bind_failures = 0
 
     def start(self) -> NatsServer:
         self.server = start_nats(self.data_dir, port=self.port, log_sink=self.log_sink)
@@ -188,14 +233,14 @@ class SupervisedNats:
         assert self.server is not None
         return self.server.url
 
-    def watch(self, exits: queue.Queue[str]) -> None:
+    def watch(self, exits: queue.Queue[Exit]) -> None:
         """Report the server's exit (reaping it: no zombie) to the supervisor's queue."""
         server = self.server
         assert server is not None
 
         def wait() -> None:
             server.process.wait()
-            exits.put(NATS)
+            exits.put((NATS, None))
 
         threading.Thread(target=wait, name="nats-watch", daemon=True).start()
 
@@ -204,7 +249,6 @@ class SupervisedNats:
             self.server.stop()
 
 
-NATS = "nats"
 
 
 class Supervisor:
@@ -229,19 +273,84 @@ class Supervisor:
             name: Child(name, {**base_env, **extra.get(name, {})})
             for name, base_env in expand_services(services, env).items()
         }
-        self.exits: queue.Queue[str] = queue.Queue()
+        self.exits: queue.Queue[Exit] = queue.Queue()
         self.stopping = threading.Event()
         self.held: set[str] = set()  # services that stay down when they exit, until `release`
         self.on_line = on_line
         self.echo = echo
         self.nats = nats
         self.liveness_timeout_s = float(env.get("TINKERD_LIVENESS_TIMEOUT_S", LIVENESS_TIMEOUT_S))
+        self.failure: str | None = None  # why the supervisor gave up (the stack then stops)
+        self.state_file: Path | None = None
+        self.nats_state = st.ServiceState(state=st.UP, since_ns=time.time_ns())
+        for child in self.children.values():
+            child.chosen_port = child.port_var is not None and child.env.get(child.port_var) == "0"
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+            self.state_file = run_dir / st.STATE_FILE
             for child in self.children.values():
                 child.liveness = run_dir / f"{child.name}.alive"
-                child.env = {**child.env, "TINKERD_LIVENESS_FILE": str(child.liveness)}
+                child.env = {
+                    **child.env,
+                    "TINKERD_LIVENESS_FILE": str(child.liveness),
+                    "TINKERD_STACK_STATE_FILE": str(self.state_file),
+                }
+                if child.port_var is not None:
+                    child.announce = announce_path(run_dir, child.name)
+                    child.env["TINKERD_ANNOUNCE_FILE"] = str(child.announce)
         self._print_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+
+    def _set_state(self, child: Child | None, state: str, detail: str = "") -> None:
+        """Record a child's (None: nats-server's) new state and rewrite the stack state file."""
+        with self._state_lock:
+            old = self.nats_state if child is None else child.state
+            failing = state in (st.RESTARTING, st.FAILED)
+            new = st.ServiceState(
+                state=state,
+                since_ns=time.time_ns(),
+                restarts=old.restarts + (state == st.RESTARTING),
+                detail=detail,
+                address=old.address,
+                failing_since_ns=(old.failing_since_ns or time.time_ns()) if failing else
+                (old.failing_since_ns if state == st.STARTING else None),
+            )
+            if child is None:
+                self.nats_state = new
+            else:
+                child.state = new
+            self._write_state()
+
+    def _write_state(self) -> None:
+        if self.state_file is None:
+            return
+        services = {name: child.state for name, child in self.children.items()}
+        if self.nats is not None:
+            services = {NATS: self.nats_state, **services}
+        st.write_state(self.state_file, st.StackState(supervisor_pid=os.getpid(), services=services))
+
+    def all_up(self) -> bool:
+        """Every child has logged ready (and nats-server, when supervised, runs)."""
+        children = [child.state.state for child in self.children.values()]
+        return all(state == st.UP for state in children) and self.nats_state.state == st.UP
+
+    def _on_ready(self, child: Child) -> None:
+        """A child logged its ready line: it serves (on the address it announced, if any)."""
+        child.bind_failures = 0
+        if child.announce is not None:
+            found = read_announcement(child.announce)
+            if found is not None:
+                with self._state_lock:
+                    child.state.address = found.url
+                if child.chosen_port and child.port_var is not None:  # a restart binds it again
+                    child.env[child.port_var] = found.url.rsplit(":", 1)[1]
+        self._set_state(child, st.UP)
+
+    def fail(self, name: str, message: str) -> None:
+        """Give up on the stack: record why, and stop (`up` exits non-zero with `message`)."""
+        self.failure = message
+        self.say(name, f"giving up: {message}")
+        self.stopping.set()
 
     def say(self, name: str, line: str) -> None:
         if self.on_line is not None:
@@ -256,6 +365,8 @@ class Supervisor:
         cmd = [sys.executable, "-m", "infra.cli", "serve", service_of(child.name)]
         if child.liveness is not None:
             child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
+        if child.announce is not None:
+            child.announce.unlink(missing_ok=True)  # the address of a process that is gone
         child.process = subprocess.Popen(
             cmd,
             env=child.env,
@@ -264,24 +375,31 @@ class Supervisor:
             start_new_session=True,  # its own process group: we stop it (and anything it spawns) as one
         )
         child.started_at = time.monotonic()
+        self._set_state(child, st.STARTING, child.state.detail)
         child.log_thread = threading.Thread(target=self._pump, args=(child, child.process), daemon=True)
         child.log_thread.start()
 
     def _pump(self, child: Child, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
+        marker = READY_MARKERS[service_of(child.name)]
         for raw in process.stdout:
-            self.say(child.name, raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            child.tail.append(line)
+            if marker in line and child.process is process:
+                self._on_ready(child)
+            self.say(child.name, line)
         process.wait()
-        self.exits.put(child.name)
+        self.exits.put((child.name, process))
 
-    def run(self, on_ready: threading.Event | None = None) -> None:
+    def run(self) -> None:
         if self.nats is not None:
             self.nats.watch(self.exits)
+        self._write_state()
         for child in self.children.values():
             self.start(child)
         while not self.stopping.is_set():
             try:
-                name = self.exits.get(timeout=0.5)
+                name, ended = self.exits.get(timeout=0.5)
             except queue.Empty:
                 self._check_liveness()
                 continue
@@ -292,15 +410,40 @@ class Supervisor:
                 continue
             child = self.children[name]
             assert child.process is not None
-            if name in self.held:
-                self.say(name, f"exited with code {child.process.returncode}; held down until released")
-                continue
+            if ended is not child.process or child.process.poll() is None:
+                continue  # a release of a child that already runs again, or a stale report
             code = child.process.returncode
-            delay = self._backoff(child)
-            self.say(name, f"exited with code {code}; restarting in {delay:.1f}s")
-            if self.stopping.wait(delay):
+            if name in self.held:
+                self._set_state(child, st.STOPPED, f"exited with code {code}; held down")
+                self.say(name, f"exited with code {code}; held down until released")
+                continue
+            delay = self._after_exit(child, code)
+            if delay is None or self.stopping.wait(delay):
                 break
             self.start(child)
+
+    def _after_exit(self, child: Child, code: int) -> float | None:
+        """Record how `child` ended; the delay before it starts again (None: the stack stops)."""
+        name = child.name
+        if code == BIND_FAILED_EXIT and child.port_var is not None:
+            detail = child.last_line(BIND_FAILED_PREFIX) or f"exited with code {code}: could not bind its address"
+            if child.chosen_port and child.env[child.port_var] != "0":
+                child.env[child.port_var] = "0"  # taken while it was down: the kernel picks another
+                self._set_state(child, st.RESTARTING, detail)
+                self.say(name, f"{detail}; restarting it on another port")
+                return 0.0
+            child.bind_failures += 1
+            if child.bind_failures >= MAX_BIND_FAILURES:
+                self._set_state(child, st.FAILED, detail)
+                self.fail(name, f"{name}: {detail} (tried {child.bind_failures} times)")
+                return None
+        else:
+            last = child.last_line()
+            detail = f"exited with code {code}" + (f": {last}" if last else "")
+        delay = self._backoff(child)
+        self._set_state(child, st.RESTARTING, detail)
+        self.say(name, f"exited with code {code}; restarting in {delay:.1f}s")
+        return delay
 
     def hold(self, name: str) -> None:
         """Keep `name` down the next time it exits (an operator stopping one service for a while)."""
@@ -310,7 +453,7 @@ class Supervisor:
         """Start a held service again (through the restart path, with its backoff)."""
         if name in self.held:
             self.held.discard(name)
-            self.exits.put(name)
+            self.exits.put((name, self.children[name].process))
 
     @staticmethod
     def _backoff(child: Child | SupervisedNats) -> float:
@@ -320,18 +463,35 @@ class Supervisor:
         return min(10.0, 0.5 * (2 ** min(child.restarts, 5)))
 
     def _restart_nats(self) -> None:
-        """nats-server exited: start it again on the same port and store (clients reconnect)."""
+        """nats-server exited: start it again on the same port and store (clients reconnect).
+
+        Its port is in every service's configuration, so it is not changed: a port taken
+        meanwhile is tried `MAX_BIND_FAILURES` times, then the stack stops, naming the holder."""
         assert self.nats is not None and self.nats.server is not None
         code = self.nats.server.process.returncode
         delay = self._backoff(self.nats)
+        self._set_state(None, st.RESTARTING, f"nats-server exited with code {code}")
         self.say(NATS, f"nats-server exited with code {code}; restarting in {delay:.1f}s on the same port and store")
         while not self.stopping.wait(delay):
             try:
                 server = self.nats.start()
-            except RuntimeError as exc:  # e.g. the port is still held: try again
+            except BindError as exc:
+                self.nats.bind_failures += 1
+                self._set_state(None, st.RESTARTING, str(exc))
+                if self.nats.bind_failures >= MAX_BIND_FAILURES:
+                    self._set_state(None, st.FAILED, str(exc))
+                    self.fail(NATS, f"nats-server: {exc} (tried {self.nats.bind_failures} times)")
+                    return
                 delay = self._backoff(self.nats)
+                self.say(NATS, f"nats-server did not start ({exc}); retrying in {delay:.1f}s")
+                continue
+            except RuntimeError as exc:
+                delay = self._backoff(self.nats)
+                self._set_state(None, st.RESTARTING, str(exc).splitlines()[0])
                 self.say(NATS, f"nats-server did not start ({str(exc).splitlines()[0]}); retrying in {delay:.1f}s")
                 continue
+            self.nats.bind_failures = 0
+            self._set_state(None, st.UP)
             self.say(NATS, f"nats-server ready on {server.url} (restart {self.nats.restarts})")
             self.nats.watch(self.exits)
             return
@@ -366,6 +526,8 @@ class Supervisor:
                 self.say(child.name, "did not stop in time; killing")
             _signal_group(child.process, signal.SIGKILL)  # also reaps anything it left behind
             child.process.wait()
+        if self.state_file is not None:
+            self.state_file.unlink(missing_ok=True)  # no stack runs any more
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -375,17 +537,19 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         pass
 
 
-def wait_healthy(url: str, stop: threading.Event, timeout_s: float = 600.0) -> bool:
-    """Poll the gateway's healthz until it answers 200 (a CLI convenience, not used in tests)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not stop.is_set():
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except OSError:
-            pass
-        stop.wait(0.5)
+def wait_ready(supervisor: Supervisor, healthz: str | None, stop: threading.Event) -> bool:
+    """Wait until every child is up and, with a gateway, its healthz answers 200."""
+    while not stop.is_set():
+        if supervisor.all_up():
+            if healthz is None:
+                return True
+            try:
+                with urllib.request.urlopen(healthz, timeout=5) as response:
+                    if response.status == 200:
+                        return True
+            except OSError:
+                pass
+        stop.wait(0.5)  # polling an HTTP endpoint and the children's states, for a console line
     return False
 
 
@@ -416,7 +580,7 @@ def up(
         print(
             f"{_prefix('nats')}nats-server {server.url} (monitor {server.monitor_url}, store {data_dir / 'nats'})"
         )
-    sampler_port = free_port()
+    run_dir = run_dir_of(data_dir)
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -427,15 +591,15 @@ def up(
         "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
         "TINKERD_GATEWAY_HOST": host,
         "TINKERD_GATEWAY_PORT": str(port),
-        "TINKERD_SAMPLER_PORT": str(sampler_port),
-        "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
+        "TINKERD_SAMPLER_PORT": "0",  # the sampler binds a port of the kernel's choice and announces it
+        "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{announce_path(run_dir, 'sampler')}",
         **(extra_env or {}),
     }
     extra = sorted({base for _, base in trainer_groups(env) if base and base != base_model})
     if extra and "TINKERD_GATEWAY_EXTRA_BASE_MODELS" not in env:
         env["TINKERD_GATEWAY_EXTRA_BASE_MODELS"] = ",".join(extra)  # the gateway serves every group's base
     services, child_env = with_gateway_replicas(services, gateways, port)
-    supervisor = Supervisor(env, services, nats=nats, run_dir=data_dir / "run", child_env=child_env)
+    supervisor = Supervisor(env, services, nats=nats, run_dir=run_dir, child_env=child_env)
 
     def on_signal(signum: int, _frame: object) -> None:
         supervisor.stopping.set()
@@ -444,8 +608,10 @@ def up(
     signal.signal(signal.SIGTERM, on_signal)
     base_url = f"http://{host}:{port}"
 
+    healthz = f"{base_url}/api/v1/healthz" if "gateway" in services else None
+
     def announce() -> None:
-        if "gateway" in services and wait_healthy(f"{base_url}/api/v1/healthz", supervisor.stopping):
+        if wait_ready(supervisor, healthz, supervisor.stopping):
             print(f"\nTinkerd is ready: {base_url}  (base model {model.name})\n", flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
@@ -456,4 +622,7 @@ def up(
         supervisor.stop()
         if nats is not None:
             nats.stop()
+    if supervisor.failure is not None:
+        print(f"tinkerd up failed: {supervisor.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -12,6 +14,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
+from infra import stack_state
 from infra.bus import Bus, kv_scan
 from libs.contracts import codec
 from libs.contracts import subjects as s
@@ -128,7 +131,22 @@ async def status_of(bus: Bus) -> Status:
     return Status(sessions, models, trainers, streams, consumers, depth, planner, checkpoints, waiting)
 
 
-async def print_status(nats_url: str) -> None:
+def print_services(state_file: Path) -> None:
+    """The supervised services' states (`tinkerd up`'s stack state file), one line each."""
+    stack = stack_state.read_state(state_file)
+    if stack is None:
+        print(f"services: no stack running for this data directory ({state_file} is missing or stale)")
+        return
+    print(f"services (tinkerd up, pid {stack.supervisor_pid}):")
+    now = time.time_ns()
+    for name, service in stack.services.items():
+        print(f"  {stack_state.describe(name, service)} (for {(now - service.since_ns) / 1e9:.0f}s)")
+    sys.stdout.flush()
+
+
+async def print_status(nats_url: str, state_file: Path | None = None) -> None:
+    if state_file is not None:
+        print_services(state_file)  # first: it needs no NATS, which may be what is down
     st = await collect_status(nats_url)
     print("trainers:")
     for t in st.trainers:

@@ -1,8 +1,10 @@
 """A real Tinkerd stack for tests: nats-server plus every service as its own process.
 
 Readiness is event-driven: the harness watches each service's log lines for its ready marker
-(no sleeps, no polling). Services and nats-server run under the same `Supervisor` as `tinkerd up`
-(liveness files included), so a killed or frozen process is restarted exactly as in production.
+(the supervisor's `READY_MARKERS`; no sleeps, no polling). Services and nats-server run under the
+same `Supervisor` as `tinkerd up` (liveness files, announced addresses and the stack state file
+included), so a killed or frozen process is restarted exactly as in production. Every HTTP service
+binds a port of the kernel's choice; its URL is the one it announced.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.natsd import NatsCluster, NatsServer
-from infra.supervisor import NATS, SERVICES, SupervisedNats, Supervisor, free_port, gateway_names, service_of
+from infra.net import ANNOUNCED
+from infra.supervisor import (
+    NATS,
+    READY_MARKERS,
+    SERVICES,
+    SupervisedNats,
+    Supervisor,
+    announce_path,
+    gateway_names,
+    run_dir_of,
+    service_of,
+)
+from tests.netutil import unused_port
 
-READY_MARKERS = {
-    "gateway": "gateway ready on",
-    "planner": "planner ready",
-    "trainer": "tinkerd.trainer: trainer",
-    "publisher": "publisher ready",
-    "sampler": "Application startup complete",
-    NATS: "nats-server ready on",
-}
+MARKERS = {**READY_MARKERS, NATS: "nats-server ready on"}
 START_TIMEOUT_S = 240.0
 
 
@@ -43,23 +50,37 @@ class Stack:
     """1: one supervised nats-server; 3: a JetStream cluster (`cluster`), streams with 3 replicas."""
     supervised_nats: SupervisedNats | None = None
     cluster: NatsCluster | None = None
-    ports: list[int] = field(default_factory=list)
     supervisor: Supervisor | None = None
-    port: int = 0
-    sampler_port: int = 0
+    wait: bool = True
+    """Whether `start` returns only once every child is ready (False: once they are started)."""
     logs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     listeners: list[Callable[[str, str], None]] = field(default_factory=list)  # (service, log line)
     _ready: dict[str, threading.Event] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
+    def address(self, child: str) -> str:
+        """The URL an HTTP child announced (kept across its restarts)."""
+        assert self.supervisor is not None
+        address = self.supervisor.children[child].state.address
+        assert address is not None, f"{child} has announced no address (not ready yet?)"
+        return address
+
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.base_urls[0]
 
     @property
     def base_urls(self) -> list[str]:
         """Every gateway replica's URL, in the order of `gateway_names`."""
-        return [f"http://127.0.0.1:{port}" for port in self.ports]
+        return [self.address(name) for name in self.gateway_names]
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(url.rsplit(":", 1)[1]) for url in self.base_urls]
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
 
     @property
     def gateway_names(self) -> tuple[str, ...]:
@@ -68,7 +89,7 @@ class Stack:
     @property
     def sampler_url(self) -> str:
         """The sampling engine, as the gateway reaches it."""
-        return f"http://127.0.0.1:{self.sampler_port}"
+        return self.address("sampler")
 
     @property
     def nats(self) -> NatsServer | None:
@@ -85,7 +106,7 @@ class Stack:
 
     def _on_line(self, service: str, line: str) -> None:
         self.logs[service].append(line)
-        if READY_MARKERS[service_of(service)] in line and service in self._ready:
+        if MARKERS[service_of(service)] in line and service in self._ready:
             self._ready[service].set()
         for listener in self.listeners:
             listener(service, line)
@@ -97,14 +118,13 @@ class Stack:
         model = resolve_base_model("tiny-qwen3", self.data_dir)
         replication: dict[str, str] = {}
         if self.nats_nodes > 1:
-            self.cluster = NatsCluster(self.data_dir / "nats", size=self.nats_nodes).start()
+            route_ports = [unused_port() for _ in range(self.nats_nodes)]  # configured: known to every node
+            self.cluster = NatsCluster(self.data_dir / "nats", route_ports).start()
             replication["TINKERD_NATS_REPLICAS"] = str(self.nats_nodes)
         else:
             self.supervised_nats = SupervisedNats(self.data_dir / "nats")
             self.supervised_nats.start()
-        self.ports = [free_port() for _ in range(self.gateways)]
-        self.port = self.ports[0]
-        self.sampler_port = sampler_port = free_port()
+        run_dir = run_dir_of(self.data_dir)
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -114,9 +134,9 @@ class Stack:
             "TINKERD_DATA_DIR": str(self.data_dir),
             "TINKERD_BASE_MODEL": "tiny-qwen3",
             "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
-            "TINKERD_GATEWAY_PORT": str(self.port),
-            "TINKERD_SAMPLER_PORT": str(sampler_port),
-            "TINKERD_SAMPLER_URL": f"http://127.0.0.1:{sampler_port}",
+            "TINKERD_GATEWAY_PORT": "0",  # every HTTP service binds a port of the kernel's choice
+            "TINKERD_SAMPLER_PORT": "0",
+            "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{announce_path(run_dir, 'sampler')}",
             "TINKERD_LOG_LEVEL": "INFO",
             "TINKER_TELEMETRY": "0",
             "TINKERD_NUM_SLOTS": "16",  # planner and trainer agree on the slot pool
@@ -130,9 +150,6 @@ class Stack:
         child_env: dict[str, dict[str, str]] = {}
         if "gateway" in self.services and self.gateways > 1:
             names = tuple(n for n in self.services if n != "gateway") + self.gateway_names
-            child_env = {
-                name: {"TINKERD_GATEWAY_PORT": str(port)} for name, port in zip(self.gateway_names, self.ports, strict=True)
-            }
         for name, extra in self.child_env.items():
             child_env[name] = {**child_env.get(name, {}), **extra}
         self.services = names
@@ -143,14 +160,15 @@ class Stack:
             on_line=self._on_line,
             echo=echo,
             nats=self.supervised_nats,
-            run_dir=self.data_dir / "run",
+            run_dir=run_dir,
             child_env=child_env,
         )
         # one per child: `trainer` is `trainer@<group>` per group of TINKERD_TRAINER_GROUPS
         self._ready = {name: threading.Event() for name in self.supervisor.children}
         self._thread = threading.Thread(target=self.supervisor.run, name="stack", daemon=True)
         self._thread.start()
-        self.wait_ready(*self.supervisor.children)
+        if self.wait:
+            self.wait_ready(*self.supervisor.children)
         return self
 
     def wait_ready(self, *services: str, timeout_s: float = START_TIMEOUT_S) -> None:

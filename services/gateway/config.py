@@ -25,7 +25,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_key: str | None = None
     """Lets operator routes (status, metrics) be called from a non-loopback client."""
     sampler_url: str = "http://127.0.0.1:30000"
-    """An SGLang-compatible engine (services/sampler on CPU, real SGLang on GPU)."""
+    """An SGLang-compatible engine (services/sampler on CPU, real SGLang on GPU). Any engine
+    address may also be `file://PATH`: the file where a local engine announces the address it
+    bound (`tinkerd up` gives the gateway its samplers this way; infra/net.py)."""
     sampler_urls: str = ""
     """Comma-separated engines to sample through (default: `sampler_url` alone); each adapter
     prefers one engine (rendezvous hashing) and moves to the next one while that is down.
@@ -38,6 +40,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Adapters kept on each engine; past that the least recently used idle one is unloaded."""
     sample_deadline_s: float = 1800.0
     """How long an accepted sample may wait for an unreachable engine before it fails."""
+    engine_failing_s: float = 300.0
+    """How long a sample waits once every engine of its base model has been failing (not
+    started, not answering, or not a sampling engine of that model) for that long: then it fails,
+    naming the engines and why, instead of waiting out `sample_deadline_s`."""
     public_url: str | None = None
     """How clients reach this gateway (for signed download URLs); defaults to http://host:port."""
     signing_secret: str | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from litestar import Litestar, Request
 from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
+from infra.stack_state import state_file_from_env
 from infra.streams import ensure_streams
 from libs.contracts import subjects as s
 from libs.contracts.records import SessionRecord, SigningSecret
@@ -158,6 +160,13 @@ def engine_urls_by_base(
     return urls
 
 
+def model_names(model: ResolvedModel) -> tuple[str, ...]:
+    """What an engine of `model` may call it in its `/get_model_info` (`model_path`): the name
+    first, then its alias and its directory."""
+    alias = SHORT_NAMES.get(model.name)
+    return (model.name, *([alias] if alias else []), str(model.path))
+
+
 def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
     @asynccontextmanager
     async def run(app: Litestar) -> AsyncIterator[None]:
@@ -176,7 +185,14 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
         )
-        engines = EnginePool(client, config.engines(), config.max_loaded_adapters, data_dir)
+        state_file = state_file_from_env(os.environ)
+
+        def pool_of(urls: list[str], served: ResolvedModel) -> EnginePool:
+            return EnginePool(
+                client, urls, config.max_loaded_adapters, data_dir, model_names(served), state_file=state_file
+            )
+
+        engines = pool_of(config.engines(), model)
         extra_pools: dict[str, EnginePool] = {}
         try:
             await ensure_streams(bus.js)
@@ -186,7 +202,7 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
             gateway.extra_models = extra_models
             for base, urls in engine_urls_by_base(config, model, gateway.served).items():
-                extra_pools[base] = EnginePool(client, urls, config.max_loaded_adapters, data_dir)
+                extra_pools[base] = pool_of(urls, gateway.model_named(base))
             gateway.extra_pools = extra_pools
             board.listeners.append(gateway.on_result)  # after the replay: live results only
             if config.signing_secret:
@@ -203,7 +219,7 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
             gateway.sessions = lifecycle
             app.state.gateway = gateway
             names = ", ".join(m.name for m in gateway.models)
-            log.info("gateway ready on %s:%d (base model %s)", config.host, config.port, names)
+            log.info("gateway ready (base model %s)", names)
             yield
         finally:
             if "runner" in locals():

@@ -14,7 +14,13 @@ restarted, or a new one, serves every existing export without anyone re-publishi
 - `EnginePool` picks the engine for an adapter by rendezvous hashing (the same engine for the
   same adapter while it is up, another one when it is not), answers "the engine does not hold this
   adapter" by loading it and trying again, and, when no engine can be reached, lets callers wait
-  for one to come back (a single `/health` probe loop shared by every waiter).
+  for one to come back (a single probe loop shared by every waiter).
+
+Engines are checked before use (`Engine`): an address (a URL, or `file://PATH` of the address a
+local engine announces: infra/net.py) gets work only once it answered `/health` and its
+`/get_model_info` names the pool's base model; anything else (nothing there, a process that
+does not speak HTTP, another server, another model) counts as unavailable, with that reason. An
+engine that keeps failing has a `failing_for_s` the sample path bounds its wait with.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any
 
 import httpx
 
+from infra.net import announced_path, resolve_address
+from infra.stack_state import UP, ServiceState, describe, read_state
 from services.gateway import sglang
 
 log = logging.getLogger("tinkerd.gateway.engines")
@@ -58,12 +66,112 @@ def rendezvous(urls: list[str], key: str) -> list[str]:
     return sorted(urls, key=weight, reverse=True)
 
 
+class Engine:
+    """One sampling engine: where it is, whether that address was checked, since when it fails.
+
+    `address` is a URL or `file://PATH` (resolved on every use: a restarted engine may announce
+    another address). `names` are the base model's names its `/get_model_info` must match (empty:
+    any generation model). `state_file`: the supervisor's stack state, whose record of the child
+    that announces at PATH (`sampler` for `run/sampler.addr`) adds how that child fails and
+    since when."""
+
+    def __init__(
+        self,
+        address: str,
+        names: tuple[str, ...] = (),
+        probe_timeout_s: float = sglang.HEALTH_TIMEOUT_S,
+        state_file: Path | None = None,
+    ) -> None:
+        self.address = address
+        self.names = names
+        self.probe_timeout_s = probe_timeout_s
+        self.state_file = state_file
+        self.checked: str | None = None  # the URL that passed the check (re-checked when it changes)
+        self.failing_since: float | None = None  # time.time() of the first failure in a row
+        self.reason = ""
+        self._lock = asyncio.Lock()
+
+    def url(self) -> str:
+        """Where the engine is now.
+
+        Raises:
+            sglang.EngineUnavailable: a local engine that has announced no address (not started).
+        """
+        url = resolve_address(self.address)
+        if url is None:
+            raise sglang.EngineUnavailable(
+                self.address, f"no address announced at {announced_path(self.address)} (not started)"
+            )
+        return url
+
+    async def ready_url(self, client: httpx.AsyncClient, recheck: bool = False) -> str:
+        """The engine's URL, once checked to answer as a sampling engine of the base model.
+
+        Raises:
+            sglang.EngineUnavailable: it does not (the reason is kept, see `failed`).
+        """
+        try:
+            url = self.url()
+            if self.checked == url and not recheck:
+                return url
+            async with self._lock:
+                if self.checked != url or recheck:
+                    await sglang.check_engine(client, url, self.names, self.probe_timeout_s)
+                    if self.checked != url:
+                        log.info("sampling engine %s answers as a sampling engine at %s", self.address, url)
+                    self.checked = url
+        except sglang.EngineUnavailable as exc:
+            self.failed(exc)
+            raise
+        self.succeeded()
+        return url
+
+    def failed(self, exc: sglang.EngineUnavailable) -> None:
+        """A call or a check failed: check the address again before the next work."""
+        self.checked = None
+        self.reason = exc.reason
+        if self.failing_since is None:
+            self.failing_since = time.time()
+
+    def succeeded(self) -> None:
+        self.failing_since = None
+        self.reason = ""
+
+    def _child(self) -> tuple[str, ServiceState] | None:
+        """(name, state) of the supervised child that announces this engine's address, if any."""
+        path = announced_path(self.address)
+        stack = read_state(self.state_file) if path is not None and self.state_file is not None else None
+        if stack is None or path is None:
+            return None
+        service = stack.services.get(path.stem)
+        return (path.stem, service) if service is not None else None
+
+    def failing_for_s(self) -> float:
+        """How long it has been failing (0: it is not), counting from when its supervisor first
+        saw it fail, when that was earlier."""
+        if self.failing_since is None:
+            return 0.0
+        since = self.failing_since
+        child = self._child()
+        if child is not None and child[1].state != UP and child[1].failing_since_ns:
+            since = min(since, child[1].failing_since_ns / 1e9)
+        return max(0.0, time.time() - since)
+
+    def describe_failure(self) -> str:
+        """`ADDRESS: reason` (and the supervisor's account of its process, when it has one)."""
+        text = f"{self.address}: {self.reason or 'unavailable'}"
+        child = self._child()
+        if child is not None and child[1].state != UP:
+            text += f"; supervisor: {describe(*child)}"
+        return text
+
+
 class Residency:
     """The adapters one engine holds for this replica, LRU-bounded (see the module docstring)."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, capacity: int, data_root: Path) -> None:
+    def __init__(self, client: httpx.AsyncClient, engine: Engine, capacity: int, data_root: Path) -> None:
         self.client = client
-        self.url = url
+        self.engine = engine
         self.capacity = capacity
         self.data_root = data_root
         self.resident: OrderedDict[str, str] = OrderedDict()  # name -> directory, least recent first
@@ -102,6 +210,10 @@ class Residency:
             self._loading[name] = pending
         await asyncio.shield(pending)  # a cancelled sample does not cancel a load others wait for
 
+    @property
+    def url(self) -> str:
+        return self.engine.url()
+
     async def _load(self, name: str, directory: str) -> None:
         started = time.perf_counter()
         try:
@@ -114,7 +226,7 @@ class Residency:
             log.info(
                 "loaded adapter %s into %s in %.0f ms (%d held)",
                 name,
-                self.url,
+                self.engine.address,
                 (time.perf_counter() - started) * 1e3,
                 len(self.resident),
             )
@@ -162,23 +274,35 @@ class Residency:
             try:
                 await sglang.unload_adapter(self.client, self.url, victim)
             except (sglang.EngineError, sglang.EngineUnavailable) as exc:
-                log.warning("could not unload adapter %s from %s: %s", victim, self.url, exc)
+                log.warning("could not unload adapter %s from %s: %s", victim, self.engine.address, exc)
                 return
             self.unloads += 1
-            log.info("unloaded adapter %s from %s (least recently used)", victim, self.url)
+            log.info("unloaded adapter %s from %s (least recently used)", victim, self.engine.address)
 
 
 class EnginePool:
     """Every engine this gateway samples through (see the module docstring)."""
 
-    def __init__(self, client: httpx.AsyncClient, urls: list[str], capacity: int, data_root: Path) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        urls: list[str],
+        capacity: int,
+        data_root: Path,
+        model_names: tuple[str, ...] = (),
+        probe_timeout_s: float = sglang.HEALTH_TIMEOUT_S,
+        state_file: Path | None = None,
+    ) -> None:
+        """`urls`: engine addresses (URLs or `file://PATH`); `model_names`: the base model's
+        names their `/get_model_info` must match (see `Engine`)."""
         if not urls:
             raise ValueError("at least one sampling engine URL is needed")
         if capacity < 1:
             raise ValueError(f"max_loaded_adapters must be >= 1, got {capacity}")
         self.client = client
         self.urls = urls
-        self.residency = {url: Residency(client, url, capacity, data_root) for url in urls}
+        self.engines = {url: Engine(url, model_names, probe_timeout_s, state_file) for url in urls}
+        self.residency = {url: Residency(client, self.engines[url], capacity, data_root) for url in urls}
         self.waiting = 0  # samples waiting for an engine to come back, for metrics
         self._back = asyncio.Event()
         self._probe: asyncio.Task[None] | None = None
@@ -195,10 +319,13 @@ class EnginePool:
             sglang.EngineError: an engine refused the request.
         """
         unavailable: sglang.EngineUnavailable | None = None
-        for url in self.order(adapter):
+        for address in self.order(adapter):
+            engine = self.engines[address]
             try:
-                outputs = await self._generate_on(url, body, adapter)
+                url = await engine.ready_url(self.client)
+                outputs = await self._generate_on(address, url, body, adapter)
             except sglang.EngineUnavailable as exc:
+                engine.failed(exc)
                 unavailable = exc
                 continue
             self._delay = PROBE_FIRST_S
@@ -206,12 +333,27 @@ class EnginePool:
         assert unavailable is not None
         raise unavailable
 
+    def failing_for_s(self) -> float:
+        """How long every engine of the pool has been failing (0: one of them is not)."""
+        return min(engine.failing_for_s() for engine in self.engines.values())
+
+    def describe_failures(self) -> str:
+        return "; ".join(engine.describe_failure() for engine in self.engines.values())
+
+    async def check(self) -> str | None:
+        """Check every engine now; None when one serves, else why none does."""
+        for engine in self.engines.values():
+            with contextlib.suppress(sglang.EngineUnavailable):
+                await engine.ready_url(self.client, recheck=True)
+                return None
+        return self.describe_failures()
+
     async def _generate_on(
-        self, url: str, body: dict[str, Any], adapter: Adapter | None
+        self, address: str, url: str, body: dict[str, Any], adapter: Adapter | None
     ) -> list[sglang.Output]:
         if adapter is None:
             return await sglang.generate(self.client, url, body)
-        residency = self.residency[url]
+        residency = self.residency[address]
         request = {**body, "lora_path": adapter.name}
         for attempt in range(MISSING_RETRIES + 1):
             async with residency.use(adapter):
@@ -225,7 +367,7 @@ class EnginePool:
         raise AssertionError("unreachable")
 
     async def wait_available(self, timeout_s: float) -> bool:
-        """Wait until some engine answers `/health` with 200; False after `timeout_s`."""
+        """Wait until some engine passes its check (`Engine.ready_url`); False after `timeout_s`."""
         if self._probe is None or self._probe.done():
             self._back = asyncio.Event()
             self._probe = asyncio.create_task(self._probe_until_back(self._back))
@@ -239,7 +381,7 @@ class EnginePool:
             self.waiting -= 1
 
     async def _probe_until_back(self, back: asyncio.Event) -> None:
-        """Probe every engine's `/health`, with backoff, until one answers 200.
+        """Check every engine, with backoff, until one passes.
 
         The backoff is not reset when an engine answers: one that is healthy but still cannot
         serve (502/503 from `/generate`) is retried ever more slowly, not in a tight loop.
@@ -247,11 +389,10 @@ class EnginePool:
         while True:
             await asyncio.sleep(self._delay)  # backoff between probes of engines that are down
             self._delay = min(PROBE_MAX_S, self._delay * 1.5)
-            for url in self.urls:
-                if await sglang.healthy(self.client, url):
-                    log.info("sampling engine %s answers /health again", url)
-                    back.set()
-                    return
+            if await self.check() is None:
+                log.info("a sampling engine of %s answers again", ", ".join(self.urls))
+                back.set()
+                return
 
     async def close(self) -> None:
         tasks = [self._probe] if self._probe is not None else []

@@ -5,10 +5,13 @@ never acks, so after the ack wait the job is redelivered to a live replica (or t
 and runs again under the same request id; the result is appended with that id as `Nats-Msg-Id`,
 so the future still resolves exactly once.
 
-A job whose engine cannot be reached (down, restarting, 502/503/504) waits for it instead of
-failing: its future answers `try_again` with `queue_state: paused_capacity` and a reason (a
+A job whose engine cannot be used (down, restarting, 502/503/504, or an address that does not
+answer as a sampling engine of the base model: engines.py) waits for it instead of failing: its
+future answers `try_again` with `queue_state: paused_capacity` and the engines' reason (a
 `QueueRecord` in `tinker_queue`), the job is kept alive with in-progress acks, and it runs as soon
-as an engine answers `/health` again. It fails only past `sample_deadline_s` after it was accepted.
+as an engine passes its check again. It fails, naming the engines and why, once every engine of
+its base model has been failing for `engine_failing_s`, and in any case past `sample_deadline_s`
+after it was accepted.
 The adapter it samples with is loaded into the engine on demand (see `engines.py`); the engines
 are those of the sampler's base model (`Gateway.pool`). An inflight sampler samples with its
 model's inflight target when that is its own save or a newer one (`InflightTarget`); a
@@ -181,7 +184,9 @@ class SampleRunner:
                     "(TINKERD_GATEWAY_BASE_SAMPLER_URLS)",
                     category="user",
                 )
-            deadline_ns = job.at_ns + int(self.gateway.config.sample_deadline_s * 1e9)
+            config = self.gateway.config
+            deadline_ns = job.at_ns + int(config.sample_deadline_s * 1e9)
+            reason = ""
             while True:
                 try:
                     outputs = await engines.generate(request, adapter)
@@ -191,13 +196,22 @@ class SampleRunner:
                     if left_s <= 0:
                         return Failure(
                             error=f"no sampling engine could be reached within the sample's deadline "
-                            f"({self.gateway.config.sample_deadline_s:.0f}s after it was accepted): {exc}",
+                            f"({config.sample_deadline_s:.0f}s after it was accepted): {exc}",
                             category="server",
                         )
-                    if not paused:
+                    failing_s = engines.failing_for_s()
+                    if failing_s >= config.engine_failing_s:
+                        return Failure(
+                            error=f"no sampling engine of base model {base!r} can serve: every one has been "
+                            f"failing for over {config.engine_failing_s:.0f}s "
+                            f"(TINKERD_GATEWAY_ENGINE_FAILING_S): {engines.describe_failures()}",
+                            category="server",
+                        )
+                    if engines.describe_failures() != reason:  # the first wait, or a new reason
+                        reason = engines.describe_failures()
                         paused = True
-                        await self._pause(job, exc)
-                    await engines.wait_available(left_s)
+                        await self._pause(job, reason)
+                    await engines.wait_available(min(left_s, config.engine_failing_s - failing_s))
             body = sglang.to_sample_result(
                 outputs,
                 job.prompt_len,
@@ -222,13 +236,15 @@ class SampleRunner:
             if paused:
                 await self._resumed(job)
 
-    async def _pause(self, job: SampleJob, exc: sglang.EngineUnavailable) -> None:
+    async def _pause(self, job: SampleJob, why: str) -> None:
         """Tell the SDK (through try_again) why this sample waits."""
+        config = self.gateway.config
         reason = (
-            f"the sampling engine is unavailable ({exc.reason}); the sample waits for it and runs "
-            f"when it is back (at most {self.gateway.config.sample_deadline_s:.0f}s after it was accepted)"
+            f"the sampling engine is unavailable ({why}); the sample waits for it and runs when it is "
+            f"back (it fails once the engines have been failing for {config.engine_failing_s:.0f}s, "
+            f"and at most {config.sample_deadline_s:.0f}s after it was accepted)"
         )
-        log.warning("sample %s waits: engine %s unavailable (%s)", job.request_id, exc.url, exc.reason)
+        log.warning("sample %s waits: %s", job.request_id, why)
         record = QueueRecord(
             request_id=job.request_id, queue_state="paused_capacity", reason=reason, since_ns=now_ns()
         )

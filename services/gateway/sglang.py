@@ -1,8 +1,9 @@
 """A client for the SGLang HTTP subset Tinkerd samples through.
 
-Routes: `/generate`, `/load_lora_adapter`, `/unload_lora_adapter` and `/health`. The CPU engine in
-services/sampler speaks the same API, so this code runs unchanged against real SGLang on a GPU
-stack. Only the fields Tinkerd reads are declared; the rest are ignored.
+Routes: `/generate`, `/load_lora_adapter`, `/unload_lora_adapter`, `/health` and `/get_model_info`
+(whose `model_path` and `is_generation` tell what an address serves: `check_engine`). The CPU
+engine in services/sampler speaks the same API, so this code runs unchanged against real SGLang on
+a GPU stack. Only the fields Tinkerd reads are declared; the rest are ignored.
 
 Two kinds of failure are told apart: `EngineUnavailable` (the engine cannot be reached, or answers
 502/503/504: it is down, restarting or overloaded; the caller waits and tries again) and
@@ -157,13 +158,50 @@ async def unload_adapter(client: httpx.AsyncClient, url: str, name: str) -> None
     raise EngineError(response.status_code, message)
 
 
-async def healthy(client: httpx.AsyncClient, url: str) -> bool:
-    """`GET /health` answers 200 (SGLang: 503 while it starts; nothing at all while it is down)."""
+class ModelInfo(msgspec.Struct):
+    """SGLang's `/get_model_info` answer (the fields Tinkerd checks)."""
+
+    model_path: str
+    is_generation: bool = True
+
+
+_model_info = msgspec.json.Decoder(ModelInfo)
+
+
+def serves(model_path: str, names: tuple[str, ...]) -> bool:
+    """Whether an engine's `model_path` is one of `names` (a base model's name, alias and
+    directory), compared as written and by its last path component."""
+    last = model_path.rstrip("/").rsplit("/", 1)[-1]
+    return model_path in names or last in {n.rstrip("/").rsplit("/", 1)[-1] for n in names}
+
+
+async def check_engine(
+    client: httpx.AsyncClient, url: str, names: tuple[str, ...], timeout_s: float = HEALTH_TIMEOUT_S
+) -> None:
+    """Make sure `url` answers as a sampling engine of the base model `names` describe (any
+    generation model when empty): `GET /health` is 200 and `GET /get_model_info` names it.
+
+    Raises:
+        EngineUnavailable: anything else, with what was found (an address that does not answer,
+            answers 503 while it starts, is no sampling engine, or serves another model).
+    """
     try:
-        response = await client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
+        health = await client.get(f"{url}/health", timeout=timeout_s)
+        if health.status_code != 200:
+            raise EngineUnavailable(url, f"GET /health answered {health.status_code} (starting or unhealthy)")
+        response = await client.get(f"{url}/get_model_info", timeout=timeout_s)
+    except httpx.HTTPError as exc:  # refused, reset, timed out: or something that does not speak HTTP
+        raise EngineUnavailable(url, f"does not answer HTTP: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
+    try:
+        if response.status_code != 200:
+            raise msgspec.ValidationError(f"GET /get_model_info answered {response.status_code}")
+        info = _model_info.decode(response.content)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise EngineUnavailable(url, f"is not a sampling engine ({exc})") from exc
+    if not info.is_generation:
+        raise EngineUnavailable(url, f"serves {info.model_path!r}, which is not a generation model")
+    if names and not serves(info.model_path, names):
+        raise EngineUnavailable(url, f"serves model {info.model_path!r}, not the base model {names[0]!r}")
 
 
 def _topk(rows: list[list[Entry] | None], k: int) -> TopK:

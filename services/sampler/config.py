@@ -23,7 +23,7 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     """Interface the HTTP server binds to."""
     port: int = 30000
-    """HTTP port (SGLang's default)."""
+    """HTTP port (SGLang's default); 0: a port the kernel picks when the server binds."""
     max_batch_size: int = 16
     """Most sequences decoded together in one step (SGLang's ``max_running_requests``)."""
     max_loaded_loras: int = 16
@@ -51,8 +51,8 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("max_batch_size", "max_loaded_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.device not in ("cpu", "cuda", "auto"):

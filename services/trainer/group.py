@@ -1,10 +1,12 @@
 """One tensor-parallel trainer group: N rank processes started by the trainer itself.
 
-``tinkerd serve trainer --tp N`` (or ``TINKERD_TRAINER_TP=N``) runs ``launch``: it picks a
-rendezvous port and starts N copies of ``tinkerd serve trainer`` with the variables torchrun
-would set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``).  A process started with ``RANK`` set is one rank (whoever started it:
-this launcher, torchrun, or an orchestrator), and joins the group with ``init_rank``.
+``tinkerd serve trainer --tp N`` (or ``TINKERD_TRAINER_TP=N``) runs ``launch``: it starts N
+copies of ``tinkerd serve trainer`` with the variables torchrun would set (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and, instead of a rendezvous port, a file
+store in a fresh private directory (``TINKERD_GROUP_STORE``): no port is picked, so none can be
+taken in between.  A process started with ``RANK`` set is one rank (whoever started it: this
+launcher, or torchrun or an orchestrator with ``MASTER_ADDR``/``MASTER_PORT``), and joins the
+group with ``init_rank``.
 
 Roles inside the group:
 
@@ -34,12 +36,13 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from libs.faults import crash_point
@@ -50,6 +53,8 @@ if TYPE_CHECKING:  # the launcher stays light: torch is imported by the ranks on
 log = logging.getLogger("tinkerd.trainer.group")
 
 RANK_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+GROUP_STORE = "TINKERD_GROUP_STORE"
+"""A file the ranks rendezvous through (torch.distributed's FileStore), set by ``launch``."""
 STOP = "__stop__"
 PING = "__ping__"
 LAUNCHER_PID = "TINKERD_GROUP_LAUNCHER_PID"
@@ -78,13 +83,16 @@ def launch(tp: int, argv: list[str] | None = None) -> int:
         argv: the command each rank runs (default: ``python -m infra.cli serve trainer``).
     """
     command = argv or [sys.executable, "-m", "infra.cli", "serve", "trainer"]
-    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="tinkerd-group-") as private:
+        return _launch(tp, command, str(Path(private) / "store"))
+
+
+def _launch(tp: int, command: list[str], store: str) -> int:
     ranks: list[subprocess.Popen[bytes]] = []
     for rank in range(tp):
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            {GROUP_STORE: store},
             RANK=str(rank),
             WORLD_SIZE=str(tp),
             LOCAL_RANK=str(rank),
@@ -95,7 +103,7 @@ def launch(tp: int, argv: list[str] | None = None) -> int:
         if rank:
             env.pop("TINKERD_LIVENESS_FILE", None)  # rank 0's event loop speaks for the group
         ranks.append(subprocess.Popen(command, env=env))
-    log.info("started trainer group of %d ranks (pids %s, rendezvous port %d)", tp, [p.pid for p in ranks], port)
+    log.info("started trainer group of %d ranks (pids %s, rendezvous file %s)", tp, [p.pid for p in ranks], store)
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -138,12 +146,6 @@ def _wait_group(ranks: list[subprocess.Popen[bytes]], stopping: threading.Event)
     return code if code > 0 else (1 if code == 0 else 128 - code)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (the launcher) dies."""
     if not sys.platform.startswith("linux"):
@@ -170,9 +172,13 @@ def init_rank(device: str, collective_timeout_s: float) -> Any:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend, init_method="env://", timeout=datetime.timedelta(seconds=collective_timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store = os.environ.get(GROUP_STORE)
+    if store:  # the launcher's file store: no rendezvous port
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
+    else:  # torchrun or an orchestrator: MASTER_ADDR and MASTER_PORT
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
 
 

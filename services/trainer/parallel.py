@@ -6,22 +6,14 @@ and the few collectives the engine needs outside megatron's own layers.
 
 Invariant: after ``ensure_model_parallel()`` returns, ``torch.distributed`` is initialised
 (gloo on CPU, NCCL on GPU) and megatron's TP size equals the world size (no data or pipeline
-parallelism); a lone process gets a private one-rank group without opening a port.
+parallelism); a lone process gets a private one-rank group through an in-memory store: no
+rendezvous port (gloo's own listener binds a port of the kernel's choice).
 """
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for tests spawning ranks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_model_parallel(device: str) -> int:

@@ -31,10 +31,11 @@ def test_without_groups_the_trainer_is_one_child_and_an_empty_group_name_is_refu
 
 def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tmp_path: Path) -> None:
     """`sampler` is joined by `sampler@<base>` for every extra base model that
-    `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already list, on its own port and model
-    directory (not the primary base, whose sampler is `sampler`); every child (the gateway too) sees
-    the extended `TINKERD_GATEWAY_BASE_SAMPLER_URLS`. Without the sampler among the services nothing
-    changes."""
+    `TINKERD_GATEWAY_BASE_SAMPLER_URLS` does not already list, with its own model directory, binding
+    a port of the kernel's choice (0) whose address it announces in its own file (not the primary
+    base, whose sampler is `sampler`); every child (the gateway too) sees the extended
+    `TINKERD_GATEWAY_BASE_SAMPLER_URLS`, naming that file. Without the sampler among the services
+    nothing changes."""
     model = tmp_path / "models" / "other"
     model.mkdir(parents=True)
     config = {"model_type": "qwen3", "vocab_size": 512, "max_position_embeddings": 256}
@@ -49,8 +50,9 @@ def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tm
     assert list(children) == ["sampler", "sampler@other", "gateway"]
     extra = children["sampler@other"]
     assert Path(extra["TINKERD_SAMPLER_MODEL_PATH"]).resolve() == model.resolve()
-    port = extra["TINKERD_SAMPLER_PORT"]
-    listed = f"external=http://10.0.0.1:30000,other=http://127.0.0.1:{port}"
+    assert extra["TINKERD_SAMPLER_PORT"] == "0"
+    announced = tmp_path.resolve() / "run" / "sampler@other.addr"
+    listed = f"external=http://10.0.0.1:30000,other=file://{announced}"
     assert {child["TINKERD_GATEWAY_BASE_SAMPLER_URLS"] for child in children.values()} == {listed}
     assert "TINKERD_SAMPLER_PORT" not in children["sampler"]  # the primary sampler keeps its own
     assert [service_of(name) for name in children] == ["sampler", "sampler", "gateway"]

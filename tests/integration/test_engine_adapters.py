@@ -9,7 +9,10 @@ an in-process ASGI transport). What is checked is what a restarting or shared en
 - an engine that lost an adapter (a restart) answers "not loaded", and the pool loads it again;
 - adapters under the data root that this pool did not load count against the limit and go first,
   while adapters from elsewhere (an operator's) are left alone;
-- an engine that cannot be reached is reported as unavailable, not as a refused request.
+- an engine that cannot be reached is reported as unavailable, not as a refused request;
+- an address gets work only once it answered as a sampling engine of the pool's base model: a
+  listener that does not speak HTTP, another HTTP server, or an engine of another model is
+  unavailable, with what it was, and never receives an adapter or a `/generate`.
 
 The pure parts (engine choice by rendezvous hashing, reading SGLang's "not loaded" answer and
 its `loaded_adapters`) are checked on their own below.
@@ -17,21 +20,23 @@ its `loaded_adapters`) are checked on their own below.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from litestar import Litestar, get
 from litestar.testing import AsyncTestClient
 
 from bench.common import random_peft_adapter
-from infra.supervisor import free_port
 from libs.models.tiny import build_tiny
 from services.gateway import sglang
 from services.gateway.engines import Adapter, EnginePool, rendezvous
 from services.sampler.app import create_app
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine
+from tests.netutil import unused_port
 
 URL = "http://testserver.local"
 GREEDY = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
@@ -142,13 +147,70 @@ async def test_adapters_left_under_the_data_root_count_against_the_limit(
 async def test_an_unreachable_engine_is_unavailable_not_a_refusal(data_root: Path) -> None:
     """Nothing listens on the engine's port: `generate` raises `EngineUnavailable` (the sample
     waits for it), and waiting for it to come back times out while it stays away."""
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{unused_port()}"
     async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
         pool = EnginePool(http, [url], capacity=2, data_root=data_root)
         with pytest.raises(sglang.EngineUnavailable) as down:
             await pool.generate(GREEDY, Adapter(name="x", directory=str(data_root / "x")))
         assert down.value.url == url
         assert not await pool.wait_available(0.5)
+        await pool.close()
+
+
+async def test_an_engine_of_the_pool_s_base_model_serves_and_one_of_another_gets_no_work(
+    client: httpx.AsyncClient, snapshots: list[Adapter], data_root: Path, model_dir: Path
+) -> None:
+    """The CPU sampler reports its model directory in `/get_model_info`: a pool of that base
+    model (named as the gateway names it) samples through it; a pool of another base model
+    finds it unavailable, naming the model it serves, and loads nothing into it."""
+    ours = EnginePool(client, [URL], capacity=2, data_root=data_root, model_names=("tiny-qwen3", str(model_dir)))
+    assert await tokens(ours, None)
+    await ours.close()
+    other = EnginePool(client, [URL], capacity=2, data_root=data_root, model_names=("tiny-llama",))
+    with pytest.raises(sglang.EngineUnavailable) as refused:
+        await other.generate(GREEDY, snapshots[0])
+    assert f"serves model {str(model_dir)!r}, not the base model 'tiny-llama'" in refused.value.reason
+    assert other.residency[URL].loads == 0 and snapshots[0].name not in await held(client)
+    assert other.engines[URL].failing_since is not None
+    await other.close()
+
+
+async def test_a_listener_that_does_not_speak_http_is_unavailable_not_an_engine(data_root: Path) -> None:
+    """What a sample met when another process's listener (a gloo rendezvous, say) held the
+    engine's port: the address accepts connections and closes them without an HTTP answer. The
+    pool reports it unavailable, saying so, and waiting for it times out."""
+
+    async def hang_up(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
+            pool = EnginePool(http, [f"http://127.0.0.1:{port}"], capacity=2, data_root=data_root)
+            with pytest.raises(sglang.EngineUnavailable) as down:
+                await pool.generate(GREEDY, None)
+            assert down.value.reason.startswith("does not answer HTTP"), down.value.reason
+            assert not await pool.wait_available(0.5)
+            await pool.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_another_http_server_is_not_a_sampling_engine(data_root: Path) -> None:
+    """An HTTP server whose `/health` answers 200 but that has no `/get_model_info` (not
+    SGLang's API) is unavailable: "is not a sampling engine"."""
+
+    @get("/health")
+    async def health() -> str:
+        return "ok"
+
+    async with AsyncTestClient(Litestar([health]), base_url=URL) as other:
+        pool = EnginePool(other, [URL], capacity=2, data_root=data_root)
+        with pytest.raises(sglang.EngineUnavailable) as down:
+            await pool.generate(GREEDY, None)
+        assert down.value.reason == "is not a sampling engine (GET /get_model_info answered 404)"
         await pool.close()
 
 

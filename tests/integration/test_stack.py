@@ -14,8 +14,9 @@ from libs.contracts import subjects as s
 from tests.harness import Stack
 
 
-def test_healthz_answers_once_a_trainer_is_ready(stack: Stack) -> None:
-    """healthz is readiness: the harness only returns once the trainer logged ready."""
+def test_healthz_answers_200_once_every_service_is_up(stack: Stack) -> None:
+    """healthz is readiness: the harness returns once every service (the sampler included) logged
+    ready, and then healthz answers 200."""
     response = httpx.get(f"{stack.base_url}/api/v1/healthz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 
 import msgspec
 from litestar import Request, Response, get, post
 
+from infra.stack_state import UP, describe, read_state, state_file_from_env
+from infra.supervisor import service_of
 from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
@@ -156,12 +159,37 @@ async def trainers_ready(gateway: Gateway) -> list[TrainerStatus]:
     return ready
 
 
+async def not_serving(gateway: Gateway) -> dict[str, str]:
+    """What keeps the stack from serving, by service (empty: everything serves).
+
+    Every service `tinkerd up` supervises that is not up (its stack state file; gateway replicas
+    answer for themselves), no ready trainer, and every base model whose engines all fail their
+    check (engines.py: not reachable, not a sampling engine, or another model)."""
+    problems: dict[str, str] = {}
+    state_file = state_file_from_env(os.environ)
+    stack = read_state(state_file) if state_file is not None else None
+    for name, service in (stack.services if stack else {}).items():
+        if service.state != UP and service_of(name) != "gateway":
+            problems[name] = describe(name, service)
+    if not await trainers_ready(gateway):
+        problems.setdefault("trainer", "no trainer is ready yet")
+    for model in gateway.models:
+        pool = gateway.pool(model.name)
+        why = await pool.check() if pool is not None else None
+        if why is not None:
+            problems[f"engines of {model.name}"] = why
+    return problems
+
+
 @get("/api/v1/healthz", operation_id="healthz")
-async def healthz(gateway: Gateway) -> Response[dict[str, str]]:
-    """200 once a trainer is ready (readiness, not just liveness); 503 before."""
-    if await trainers_ready(gateway):
+async def healthz(gateway: Gateway) -> Response[dict[str, object]]:
+    """Readiness, not just liveness: 200 only when every service of the stack serves
+    (`not_serving`); else 503 with each service that does not, and why."""
+    problems = await not_serving(gateway)
+    if not problems:
         return Response({"status": "ok"}, status_code=200)
-    return Response({"status": "starting", "detail": "no trainer is ready yet"}, status_code=503)
+    detail = "; ".join(problems.values())
+    return Response({"status": "unavailable", "detail": detail, "services": problems}, status_code=503)
 
 
 @get("/api/v1/auth/apikey/me", operation_id="apikey_me")

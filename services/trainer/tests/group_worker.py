@@ -50,12 +50,12 @@ class ToyEngine:
         return 0.0
 
 
-def run_rank(rank: int, world: int, port: int, out: str, last: str) -> None:
+def run_rank(rank: int, world: int, store: str, out: str, last: str) -> None:
     """Rank 0 leads: total, twice, reject, then `last`; it writes what it saw to `out`.
 
     Before `freeze_on_follower` the group runs with TIMEOUT_S and stays idle for more than twice
     that (its pings keep the follower waiting), then makes one more call."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update({group.GROUP_STORE: store}, RANK=str(rank), WORLD_SIZE=str(world))
     freeze = last == "freeze_on_follower"
     control = group.init_rank("cpu", collective_timeout_s=TIMEOUT_S if freeze else 60)
     engine = ToyEngine()

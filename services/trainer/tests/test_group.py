@@ -15,14 +15,13 @@ import textwrap
 from pathlib import Path
 
 from services.trainer.group import BROKEN_EXIT_CODE
-from services.trainer.parallel import free_port
 from services.trainer.tests.group_worker import run_rank
 
 
 def run_group(tmp_path: Path, last: str) -> tuple[list[int | None], dict[str, object]]:
     ctx = multiprocessing.get_context("spawn")
-    out, port = tmp_path / "seen.json", free_port()
-    ranks = [ctx.Process(target=run_rank, args=(rank, 2, port, str(out), last)) for rank in range(2)]
+    out, store = tmp_path / "seen.json", str(tmp_path / "store")
+    ranks = [ctx.Process(target=run_rank, args=(rank, 2, store, str(out), last)) for rank in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:

@@ -11,7 +11,6 @@ import torch.multiprocessing as mp
 from transformers import AutoConfig
 
 from services.trainer.engine import EngineConfig, TrainerEngine
-from services.trainer.parallel import free_port
 from services.trainer.tests.tp_worker import HP, run_rank, scenario
 from tests.numerics import ChainShape, assert_within, gamma
 
@@ -26,7 +25,7 @@ def test_tp2_matches_tp1(qwen_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.start_processes(
         run_rank,
-        args=(2, free_port(), str(qwen_dir), str(tmp_path), fused),
+        args=(2, str(tmp_path / "store"), str(qwen_dir), str(tmp_path), fused),
         nprocs=2,
         join=True,
         start_method="spawn",

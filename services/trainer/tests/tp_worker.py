@@ -76,14 +76,14 @@ def scenario(engine: TrainerEngine) -> dict[str, Any]:
     }
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, fused: bool = False) -> None:
+def run_rank(rank: int, world: int, store: str, model_dir: str, out_dir: str, fused: bool = False) -> None:
     """Entry point of one spawned TP rank; rank 0 saves the scenario's results. ``fused``: the
     one-column losses through fused_ce.py, in pieces of 5 tokens (cut inside segments)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         config = EngineConfig(model_dir, num_slots=4, max_lora_rank=8, fused_cross_entropy=fused)
         engine = TrainerEngine(config)
