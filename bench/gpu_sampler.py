@@ -307,6 +307,8 @@ class Bench:
                 for n_adapters in (0, 1, 8):
                     if n_adapters > batch or (n_adapters == 0 and batch != 64 and not self.tiny):
                         continue
+                    if self.args.quick and (batch, n_adapters) not in ((1, 1), (8, 8), (64, 1), (64, 8)):
+                        continue
                     run(requests(batch, n_adapters, 5, self.new, self.prompt))  # captures the graphs
                     wall, res = run(requests(batch, n_adapters, 7, self.new, self.prompt))
                     gaps = np.diff(stamps)[2:]
@@ -509,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--work", default=None)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="decode at (1, 1), (8, 8), (64, 1), (64, 8) only")
     parser.add_argument("--sections", default="env,decode,hf")
     parser.add_argument("--deadline", type=float, default=330.0)
     args = parser.parse_args(argv)

@@ -77,12 +77,12 @@ def lora_delta_torch(
     rank = b.shape[-1]
     index = slots.clamp(min=0)
     h = torch.bmm(x, a[index].transpose(1, 2))  # (k, T, R): each row with its own slot's A
-    h = torch.where((slots >= 0)[:, None, None], h, torch.zeros_like(h))
     parts = []
     for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         bj = b[index, lo:hi]  # (k, n_j, r)
         parts.append(torch.bmm(h[..., j * rank : (j + 1) * rank], bj.transpose(1, 2)))
-    return torch.cat(parts, dim=-1)
+    delta = torch.cat(parts, dim=-1)
+    return torch.where((slots >= 0)[:, None, None], delta, torch.zeros_like(delta))
 
 
 def qk_heads_torch(
@@ -190,40 +190,34 @@ if triton is not None:
     @triton.jit
     def _lora_expand_kernel(
         y_ptr, part_ptr, b_ptr, slots_ptr, nrows, n_out, r_total, b1, b2,
-        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+        SPLITS: tl.constexpr, RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):  # fmt: skip
         slot = tl.program_id(0)
-        nb = tl.program_id(1)
-        every = tl.arange(0, BLOCK_B)
-        row_slots = tl.load(slots_ptr + every, mask=every < nrows, other=-1)
-        if tl.max((row_slots == slot).to(tl.int32), axis=0) > 0:
-            n0 = nb * BLOCK_N
-            member = (n0 >= b1).to(tl.int32) + (n0 >= b2).to(tl.int32)  # which module's columns
-            ns = n0 + tl.arange(0, BLOCK_N)
+        c0 = tl.program_id(1) * CHUNK  # a chunk of columns inside one member's columns
+        rows = tl.arange(0, BLOCK_B)
+        mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
+        if tl.max(mine.to(tl.int32), axis=0) > 0:  # else no row uses the slot: no work
+            member = (c0 >= b1).to(tl.int32) + (c0 >= b2).to(tl.int32)
             rs = tl.arange(0, RANK)
-            bt = tl.load(b_ptr + slot * n_out * RANK + ns[:, None] * RANK + rs[None, :])  # (N, r)
-            for m0 in range(0, BLOCK_B, BLOCK_M):
-                rows = m0 + tl.arange(0, BLOCK_M)
-                mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
-                ss = tl.arange(0, SPLITS_P2)[:, None, None]
-                src = (
-                    part_ptr
-                    + ss * nrows * r_total
-                    + rows[None, :, None] * r_total
-                    + member * RANK
-                    + rs[None, None, :]
+            h = tl.zeros((BLOCK_B, RANK), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):  # the shrink's partial sums, in a fixed order
+                src = part_ptr + s * nrows * r_total + rows[:, None] * r_total + member * RANK + rs[None, :]
+                h += tl.load(src, mask=mine[:, None], other=0.0)
+            hb = h.to(b_ptr.dtype.element_ty)
+            for n in tl.static_range(0, CHUNK, BLOCK_N):
+                ns = c0 + n + tl.arange(0, BLOCK_N)
+                cols = ns < n_out
+                bt = tl.load(
+                    b_ptr + slot * n_out * RANK + ns[:, None] * RANK + rs[None, :],
+                    mask=cols[:, None],
+                    other=0.0,
                 )
-                h = tl.sum(
-                    tl.load(src, mask=(ss < SPLITS) & mine[None, :, None], other=0.0), axis=0
-                )  # (M, r)
-                delta = tl.dot(h.to(bt.dtype), tl.trans(bt))  # (M, N) fp32
+                delta = tl.dot(hb, tl.trans(bt))  # (B, N) fp32
                 dst = y_ptr + rows[:, None] * n_out + ns[None, :]
-                y = tl.load(dst, mask=mine[:, None], other=0.0)
-                tl.store(
-                    dst,
-                    (y.to(tl.float32) + delta.to(bt.dtype).to(tl.float32)).to(y.dtype),
-                    mask=mine[:, None],
-                )
+                keep = mine[:, None] & cols[None, :]
+                y = tl.load(dst, mask=keep, other=0.0)
+                tl.store(dst, (y.to(tl.float32) + delta.to(hb.dtype).to(tl.float32)).to(y.dtype), mask=keep)
 
     @triton.jit
     def _qk_rope_cache_kernel(
@@ -378,11 +372,10 @@ def add_lora(
     n_slots, r_total, _ = a.shape
     rank = b.shape[-1]
     n_out = b.shape[1]
-    block_k = _pow2_divisor(k_in, 1 << 14)  # the smallest power-of-two split with <= 16 splits
-    while block_k > 16 and k_in // (block_k // 2) <= 16:
+    block_k = _pow2_divisor(k_in, 1 << 14)  # the smallest power-of-two split with <= 32 splits
+    while block_k > 16 and k_in // (block_k // 2) <= 32:
         block_k //= 2
     splits = k_in // block_k
-    assert splits <= 16 and block_k >= 16, (k_in, block_k)
     block_b = max(16, triton.next_power_of_2(nrows))
     part = torch.empty(splits, nrows, r_total, device=x.device, dtype=torch.float32)
     shrink: Any = _lora_shrink_kernel
@@ -392,14 +385,16 @@ def add_lora(
         num_warps=4,
     )  # fmt: skip
     sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-    block_n = 128
-    for size in sizes:
-        block_n = min(block_n, _pow2_divisor(size, 128))
+    chunk = 1024
+    for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
+        chunk = min(chunk, _pow2_divisor(size, 1024))
+    chunk = min(chunk, triton.next_power_of_2(sizes[-1]))
+    block_n = min(128, chunk)
     cuts = [*bounds[1:-1], n_out, n_out][:2]
     expand: Any = _lora_expand_kernel
-    expand[(n_slots, n_out // block_n)](
+    expand[(n_slots, triton.cdiv(n_out, chunk))](
         y, part, b, slots, nrows, n_out, r_total, cuts[0], cuts[1],
-        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), RANK=rank, BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_M=16, num_warps=4,
+        SPLITS=splits, RANK=rank, BLOCK_B=block_b, BLOCK_N=block_n, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return y
 
