@@ -511,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     parser.add_argument("--work", default=None)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="decode at (1, 1), (8, 8), (64, 1), (64, 8) only")
+    parser.add_argument(
+        "--quick", action="store_true", help="decode at (1, 1), (8, 8), (64, 1), (64, 8) only"
+    )
     parser.add_argument("--sections", default="env,decode,hf")
     parser.add_argument("--deadline", type=float, default=330.0)
     args = parser.parse_args(argv)

@@ -8,20 +8,23 @@ registry, and replaces its forward passes:
   rows finish, later rows move down into the holes, copying only their filled columns).  The
   padding rows of a bucketed step use free rows.  Without a configured ``context_length``
   the cache has ``DEFAULT_CONTEXT`` columns per row.
-* **Forward.**  Written here over the Hugging Face modules' own weights (embedding, norms,
-  projections, MLP, lm_head; Qwen3's q/k norms when present), with attention against the static
-  cache: prefill writes a row's prompt keys/values at columns ``[0, n)`` and runs causal SDPA;
-  a decode step writes each row's pending token at its own position and attends over columns
-  ``[0, position]`` of its row (a length mask, so rows of different lengths share one step).
-* **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (one ``A``/``B`` pair per
-  target module for all slots); a row selects its slot by a mask, so a step over any mix of
-  adapters has fixed shapes.  A row waits for admission while every slot is held by other
-  running adapters.
+* **Forward.**  Written here over the Hugging Face modules' own weights, with q/k/v and gate/up
+  each concatenated into one weight at load (the modules' weights become views of it): per
+  layer RMSNorm, the fused projections, Qwen3's q/k norms when present, RoPE, attention against
+  the static cache, SiLU-gated MLP.  Prefill writes a row's prompt keys/values at columns
+  ``[0, n)`` and runs causal SDPA; a decode step (``decode_ops``: Triton kernels on CUDA, their
+  torch twins on the CPU) writes each row's pending token at its own position and attends over
+  columns ``[0, position]`` of its own row only.
+* **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (per fused projection one
+  ``A``/``B`` pair for all slots); every row carries its slot, and a row's LoRA term is computed
+  from its slot's matrices alone (``decode_ops.add_lora``; prefill gathers each prompt's slot),
+  so a step over any mix of adapters has fixed shapes and no row sees another slot.  A row waits
+  for admission while every slot is held by other running adapters.
 * **CUDA graphs.**  On CUDA each decode step replays a graph captured for its (batch bucket,
   cache-length bucket): batch padded to a power of two up to ``max_batch_size``, attention
   window to a power of two from 256 up to ``context_length``.  The host uploads three small
-  vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of tokens and
-  logprobs: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
+  vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of greedy tokens
+  and their logprobs, computed inside the graph: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
   use their own seeded ``torch.Generator`` on the device (``sampling.choose_token_tensor``).
 
 Numerics: the same function as ``HFEngine`` (temperature-1 ``log_softmax`` of fp32 logits);
