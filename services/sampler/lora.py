@@ -85,10 +85,6 @@ class LoRARouting:
 
     def __init__(self) -> None:
         self.groups: list[tuple[LoadedAdapter, torch.Tensor | None]] = []
-        self.pool: LoRAPool | None = None
-        """Set by the static-cache engine: every adapter lives in a slot of this pool..."""
-        self.pool_mask: torch.Tensor | None = None
-        """...and this (B, 1, slots * rank) mask selects each row's slot for the next forward."""
 
     def route(self, row_adapters: Sequence[LoadedAdapter | None]) -> None:
         """Set the adapter of every row of the next forward (``None`` = base model)."""
@@ -124,10 +120,6 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (B, T, out)
-        pool, mask = self.routing.pool, self.routing.pool_mask
-        if pool is not None and mask is not None:
-            a, b = pool.weights[self.name]
-            return y + ((x @ a.T) * mask) @ b.T  # (B, T, S*R): only the row's own slot survives
         for adapter, rows in self.routing.groups:
             w = adapter.modules.get(self.name)
             if w is None:
@@ -250,32 +242,56 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
     return LoadedAdapter(name=name, path=str(path), rank=max_seen, modules=modules)
 
 
-class LoRAPool:
-    """Every adapter module of ``slots`` adapters in one pair of matrices per target module.
+@dataclass(frozen=True, slots=True)
+class PoolGroup:
+    """The slots of the modules that read one input (q/k/v, gate/up, or one module alone).
 
-    For module ``m``: ``A_m`` is (slots * rank, in) and ``B_m`` is (out, slots * rank), slot
-    ``s`` owning rows/columns ``[s * rank, (s + 1) * rank)`` (a smaller rank is zero-padded, the
-    scaling is folded into ``B``).  A forward over rows with slots ``slot[i]`` computes
-    ``((x @ A_m.T) * mask) @ B_m.T`` with ``mask[i, c] = (c // rank == slot[i])``: fixed shapes
-    whatever the adapters (CUDA graphs capture it), one GEMM pair per module for all adapters.
-    Rows without an adapter have slot ``-1`` (an all-zero mask).  Non-finite adapters are
-    refused at load (``read_adapter``), so the zero products of other slots stay exactly zero:
-    one tenant's values never reach another tenant's row.
+    ``a``: (slots, members * rank, in), member ``j``'s ``A`` in rows ``[j * rank, (j + 1) * rank)``;
+    ``b``: (slots, out, rank), member ``j``'s ``B`` (scaling folded in) in rows
+    ``[bounds[j], bounds[j + 1])``, the member's output columns in the fused projection.
+    """
+
+    members: tuple[str, ...]
+    bounds: list[int]
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class LoRAPool:
+    """Every adapter module of ``slots`` adapters, per fused group of target modules.
+
+    Slot ``s`` of a group holds one adapter's matrices for all the group's members (a smaller
+    rank is zero-padded to the pool's rank, a module the adapter lacks is all zero).  A forward
+    gives each row a slot (``-1``: none) and each row reads only its own slot's matrices
+    (``decode_ops.add_lora``): one tenant's values never enter another tenant's row.
+    Non-finite adapters are refused at load (``read_adapter``).
     """
 
     def __init__(
-        self, bases: dict[str, nn.Linear], slots: int, rank: int, device: torch.device, dtype: torch.dtype
+        self,
+        groups: dict[str, tuple[str, ...]],
+        bases: dict[str, nn.Linear],
+        slots: int,
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
-        self.slots, self.rank = slots, rank
-        width = slots * rank
-        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: (
-                torch.zeros(width, base.in_features, device=device, dtype=dtype),
-                torch.zeros(base.out_features, width, device=device, dtype=dtype),
+        self.slots = slots
+        self.rank = max(16, 1 << (rank - 1).bit_length())  # a power of two, >= 16: kernel tiles
+        self.groups: dict[str, PoolGroup] = {}
+        for name, members in groups.items():
+            linears = [bases[m] for m in members]
+            bounds = [0]
+            for linear in linears:
+                bounds.append(bounds[-1] + linear.out_features)
+            self.groups[name] = PoolGroup(
+                members=members,
+                bounds=bounds,
+                a=torch.zeros(
+                    slots, len(members) * self.rank, linears[0].in_features, device=device, dtype=dtype
+                ),
+                b=torch.zeros(slots, bounds[-1], self.rank, device=device, dtype=dtype),
             )
-            for name, base in bases.items()
-        }
-        self.column_slot = torch.arange(width, device=device) // rank
         self.dtype = dtype
         self._owner: list[LoadedAdapter | None] = [None] * slots
         self._used = [0] * slots
@@ -303,25 +319,21 @@ class LoRAPool:
         return slot
 
     def _load(self, slot: int, adapter: LoadedAdapter) -> None:
-        lo, hi = slot * self.rank, (slot + 1) * self.rank
-        for name, (a, b) in self.weights.items():
-            w = adapter.modules.get(name)
-            if w is None:
-                a[lo:hi].zero_()
-                b[:, lo:hi].zero_()
-                continue
-            r = w.a.shape[0]
-            a[lo : lo + r].copy_(w.a)
-            a[lo + r : hi].zero_()
-            b[:, lo : lo + r].copy_(w.b)
-            b[:, lo : lo + r].mul_(w.scaling)
-            b[:, lo + r : hi].zero_()
+        r = self.rank
+        for group in self.groups.values():
+            a, b = group.a[slot], group.b[slot]
+            a.zero_()
+            b.zero_()
+            for j, module in enumerate(group.members):
+                w = adapter.modules.get(module)
+                if w is None:
+                    continue
+                rank = w.a.shape[0]
+                lo, hi = group.bounds[j], group.bounds[j + 1]
+                a[j * r : j * r + rank].copy_(w.a)
+                b[lo:hi, :rank].copy_(w.b * w.scaling)
         self._owner[slot] = adapter
         self.loads += 1
-
-    def mask(self, row_slots: torch.Tensor) -> torch.Tensor:
-        """(B, 1, slots * rank) in the pool's dtype for ``row_slots`` (B,) long (-1: no adapter)."""
-        return (self.column_slot[None, :] == row_slots[:, None]).to(self.dtype)[:, None, :]
 
 
 @dataclass(slots=True)

@@ -8,20 +8,23 @@ registry, and replaces its forward passes:
   rows finish, later rows move down into the holes, copying only their filled columns).  The
   padding rows of a bucketed step use free rows.  Without a configured ``context_length``
   the cache has ``DEFAULT_CONTEXT`` columns per row.
-* **Forward.**  Written here over the Hugging Face modules' own weights (embedding, norms,
-  projections, MLP, lm_head; Qwen3's q/k norms when present), with attention against the static
-  cache: prefill writes a row's prompt keys/values at columns ``[0, n)`` and runs causal SDPA;
-  a decode step writes each row's pending token at its own position and attends over columns
-  ``[0, position]`` of its row (a length mask, so rows of different lengths share one step).
-* **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (one ``A``/``B`` pair per
-  target module for all slots); a row selects its slot by a mask, so a step over any mix of
-  adapters has fixed shapes.  A row waits for admission while every slot is held by other
-  running adapters.
+* **Forward.**  Written here over the Hugging Face modules' own weights, with q/k/v and gate/up
+  each concatenated into one weight at load (the modules' weights become views of it): per
+  layer RMSNorm, the fused projections, Qwen3's q/k norms when present, RoPE, attention against
+  the static cache, SiLU-gated MLP.  Prefill writes a row's prompt keys/values at columns
+  ``[0, n)`` and runs causal SDPA; a decode step (``decode_ops``: Triton kernels on CUDA, their
+  torch twins on the CPU) writes each row's pending token at its own position and attends over
+  columns ``[0, position]`` of its own row only.
+* **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (per fused projection one
+  ``A``/``B`` pair for all slots); every row carries its slot, and a row's LoRA term is computed
+  from its slot's matrices alone (``decode_ops.add_lora``; prefill gathers each prompt's slot),
+  so a step over any mix of adapters has fixed shapes and no row sees another slot.  A row waits
+  for admission while every slot is held by other running adapters.
 * **CUDA graphs.**  On CUDA each decode step replays a graph captured for its (batch bucket,
   cache-length bucket): batch padded to a power of two up to ``max_batch_size``, attention
   window to a power of two from 256 up to ``context_length``.  The host uploads three small
-  vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of tokens and
-  logprobs: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
+  vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of greedy tokens
+  and their logprobs, computed inside the graph: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
   use their own seeded ``torch.Generator`` on the device (``sampling.choose_token_tensor``).
 
 Numerics: the same function as ``HFEngine`` (temperature-1 ``log_softmax`` of fp32 logits);
@@ -30,7 +33,7 @@ on CUDA the model runs in bf16 (logits cast to fp32 before the softmax).
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,9 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from services.sampler import decode_ops as ops
 from services.sampler.engine import HFEngine, _Row
 from services.sampler.interface import TopK
-from services.sampler.lora import LoadedAdapter, LoRAPool
+from services.sampler.lora import LoadedAdapter, LoRAPool, PoolGroup
 from services.sampler.sampling import Finish, choose_token_tensor, finish_reason, is_greedy
 
 DEFAULT_CONTEXT = 4096
@@ -63,9 +67,44 @@ def _bucket(value: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= value)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True, slots=True)
+class _Projection:
+    """One fused projection: base weight (out, in), its bias, and its LoRA pool group."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora: PoolGroup
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    qkv: _Projection
+    o: _Projection
+    gate_up: _Projection
+    down: _Projection
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` that read the same input; each module's own
+    weight becomes a view of its rows, so the fused copy costs no memory."""
+    weight = torch.cat([m.weight for m in linears], dim=0)
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat(
+            [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+        )
+    lo = 0
+    for m in linears:
+        hi = lo + m.out_features
+        m.weight = nn.Parameter(weight[lo:hi], requires_grad=False)
+        if m.bias is not None and bias is not None:
+            m.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
+        lo = hi
+    return weight, bias
 
 
 class _Graph:
@@ -101,6 +140,12 @@ class StaticCacheEngine(HFEngine):
         self._head_dim = int(getattr(attn, "head_dim", cfg.hidden_size // self._heads))
         self._scale = float(getattr(attn, "scaling", self._head_dim**-0.5))
         self._qk_norm = hasattr(attn, "q_norm")
+        self._eps = float(getattr(self._layers[0].input_layernorm, "variance_epsilon", 1e-6))
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"the static engine supports SiLU-gated MLPs, not {cfg.hidden_act!r}")
+        names = {id(m): n for n, m in self.model.named_modules()}
+        self._layer_names = [names[id(layer)] for layer in self._layers]
+        self._head_name = str(getattr(self._lm_head, "name", ""))
         self._max_batch = self.config.max_batch_size
         if self.config.context_length is None and self.info.context_length > DEFAULT_CONTEXT:
             self.info = msgspec.structs.replace(self.info, context_length=DEFAULT_CONTEXT)
@@ -113,13 +158,18 @@ class StaticCacheEngine(HFEngine):
             self._k = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self._v = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self._pool = LoRAPool(
+                self._lora_groups(),
                 self._bases,
                 self.config.max_loaded_loras,
                 self.config.max_lora_rank,
                 self.device,
                 self.dtype,
             )
-            self._routing.pool = self._pool
+            self._fused = [self._fuse_layer(i) for i in range(len(self._layers))]
+            head = self._bases.get(self._head_name)
+            if head is None:
+                raise ValueError("the static engine needs an nn.Linear lm_head")
+            self._head = _Projection(head.weight, head.bias, self._pool.groups["lm_head"])
             # Static inputs of a decode step (graph-captured): tokens, positions, LoRA slots.
             self._inputs = torch.zeros(3, self._max_batch, dtype=torch.long, device=self.device)
             self._host_inputs = torch.zeros(
@@ -182,60 +232,89 @@ class StaticCacheEngine(HFEngine):
 
     # ----------------------------------------------------------------- model pieces
 
-    def _attention_inputs(
-        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, H, T, D), k and v (B, KV, T, D) of ``layer`` for hidden states ``x`` (B, T, H)."""
+    def _lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """Pool groups: per layer q/k/v, o, gate/up, down (each a fused projection), lm_head."""
+        groups: dict[str, tuple[str, ...]] = {}
+        for prefix in self._layer_names:
+            attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+            groups[f"{prefix}.qkv"] = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
+            groups[f"{prefix}.o"] = (f"{attn}.o_proj",)
+            groups[f"{prefix}.gate_up"] = (f"{mlp}.gate_proj", f"{mlp}.up_proj")
+            groups[f"{prefix}.down"] = (f"{mlp}.down_proj",)
+        missing = [m for members in groups.values() for m in members if m not in self._bases]
+        if missing:
+            raise ValueError(f"the static engine needs nn.Linear projections; missing {missing[:3]}")
+        groups["lm_head"] = (self._head_name,)
+        return groups
+
+    def _fuse_layer(self, i: int) -> _Layer:
+        prefix, layer = self._layer_names[i], self._layers[i]
+        groups = self._pool.groups
+
+        def projection(group: str) -> _Projection:
+            weight, bias = _fuse([self._bases[m] for m in groups[f"{prefix}.{group}"].members])
+            return _Projection(weight, bias, groups[f"{prefix}.{group}"])
+
         attn = layer.self_attn
-        b, t, _ = x.shape
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, t, self._heads, self._head_dim)
-        k = attn.k_proj(h).view(b, t, self._kv_heads, self._head_dim)
-        v = attn.v_proj(h).view(b, t, self._kv_heads, self._head_dim).transpose(1, 2)
-        if self._qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        c, s = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+        return _Layer(
+            qkv=projection("qkv"),
+            o=projection("o"),
+            gate_up=projection("gate_up"),
+            down=projection("down"),
+            input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            q_norm=attn.q_norm.weight if self._qk_norm else None,
+            k_norm=attn.k_norm.weight if self._qk_norm else None,
+        )
 
-    def _finish_layer(self, layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Residual adds around ``o`` (B, H, T, D), the attention output, and the MLP."""
-        b, _, t, _ = o.shape
-        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        return cast(torch.Tensor, x + layer.mlp(layer.post_attention_layernorm(x)))
+    @staticmethod
+    def _project(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` (B, in) through ``p``, each row with its own LoRA slot."""
+        return ops.add_lora(F.linear(x, p.weight, p.bias), x, p.lora.a, p.lora.b, slots, p.lora.bounds)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (B, V) of hidden states (B, 1, H), the routed LoRA mask set."""
-        return cast(torch.Tensor, self._lm_head(self._norm(hidden))[:, 0, :].float())
+    @staticmethod
+    def _project_seq(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Prompts ``x`` (k, T, in) through ``p``, row ``j``'s tokens with slot ``slots[j]``."""
+        y = F.linear(x, p.weight, p.bias)
+        return y + ops.lora_delta_torch(x, p.lora.a, p.lora.b, slots, p.lora.bounds)
+
+    def _unembed(
+        self, hidden: torch.Tensor, slots: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 logits (N, V) of final hidden states ``hidden + residual`` (N, H), before the norm."""
+        h, _ = ops.rms_norm(hidden, cast(torch.Tensor, self._norm.weight), self._eps, residual)
+        return self._project(self._head, h, slots).float()
 
     def _decode_forward(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
-        """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes)."""
+        """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes).
+
+        Returns fp32 logits (b, V), the greedy token of each row, and (2, b) float64: the
+        greedy tokens and their logprobs (temperature 1), the one tensor a greedy step reads."""
         tokens, positions, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
-        self._routing.pool_mask = self._pool.mask(slots)
-        try:
-            x = self._embed(tokens[:, None])  # (b, 1, H)
-            cos, sin = self._rotary(x, positions[:, None])
-            rows = self._arange[:b]
-            visible = torch.arange(window, device=self.device)[None, :] <= positions[:, None]  # (b, W)
-            bias = torch.zeros(b, 1, 1, window, device=self.device, dtype=torch.float32)
-            bias = bias.masked_fill(~visible[:, None, None, :], -math.inf)
-            g = self._heads // self._kv_heads
-            for i, layer in enumerate(self._layers):
-                q, k, v = self._attention_inputs(layer, x, cos, sin)
-                self._k[i][rows, :, positions] = k[:, :, 0, :]
-                self._v[i][rows, :, positions] = v[:, :, 0, :]
-                keys, values = self._k[i, :b, :, :window], self._v[i, :b, :, :window]  # (b, KV, W, D)
-                qg = q.reshape(b, self._kv_heads, g, self._head_dim)
-                scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self._scale + bias
-                probs = torch.softmax(scores, dim=-1).to(self.dtype)  # (b, KV, g, W)
-                o = torch.matmul(probs, values).reshape(b, self._heads, 1, self._head_dim)
-                x = self._finish_layer(layer, x, o)
-            logits = self._logits(x)
-        finally:
-            self._routing.pool_mask = None
-        logprobs = torch.log_softmax(logits, dim=-1)
+        x = self._embed(tokens)  # (b, H)
+        cos, sin = self._rotary(x[:, None], positions[:, None])
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # (b, D)
+        lengths = positions + 1
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self._fused):
+            h, x = ops.rms_norm(x, layer.input_norm, self._eps, residual)
+            qkv = self._project(layer.qkv, h, slots)
+            q = ops.qk_rope_cache(
+                qkv, layer.q_norm, layer.k_norm, self._eps, cos, sin, self._k[i], self._v[i],
+                positions, self._heads, self._kv_heads,
+            )  # fmt: skip
+            o = ops.decode_attention(q, self._k[i], self._v[i], lengths, self._scale, window)
+            o = self._project(layer.o, o.reshape(b, -1), slots)
+            h, x = ops.rms_norm(x, layer.post_norm, self._eps, o)
+            act = ops.silu_mul(self._project(layer.gate_up, h, slots))
+            residual = self._project(layer.down, act, slots)
+        return self._greedy_outputs(self._unembed(x, slots, residual))
+
+    @staticmethod
+    def _greedy_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         greedy = torch.argmax(logits, dim=-1)
-        return logits, logprobs, greedy
+        picked = logits.gather(1, greedy[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        return logits, greedy, torch.stack([greedy.double(), picked.double()])
 
     def _step_outputs(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
         if not self._use_graphs:
@@ -291,35 +370,28 @@ class StaticCacheEngine(HFEngine):
         ids = ids.to(self.device)
         positions = torch.arange(width, device=self.device)[None, :].expand(k, width)
         slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        mask = self._pool.mask(slot_t)
-        self._routing.pool_mask = mask
-        try:
-            x = self._embed(ids)
-            cos, sin = self._rotary(x, positions)
-            g = self._heads // self._kv_heads
-            for i, layer in enumerate(self._layers):
-                q, kk, v = self._attention_inputs(layer, x, cos, sin)
-                self._k[i, start : start + k, :, :width] = kk
-                self._v[i, start : start + k, :, :width] = v
-                # Right padding: a real query never sees a padded key under the causal mask.
-                o = F.scaled_dot_product_attention(
-                    q,
-                    kk.repeat_interleave(g, dim=1),
-                    v.repeat_interleave(g, dim=1),
-                    is_causal=True,
-                    scale=self._scale,
-                )
-                x = self._finish_layer(layer, x, o)
-            last = x[torch.arange(k, device=self.device), torch.tensor(lengths, device=self.device) - 1]
-            logits = self._logits(last[:, None, :])
-            for j, row in enumerate(rows):
-                if row.req.logprob_start_len is not None:
-                    self._routing.pool_mask = mask[j : j + 1]
-                    self._static_prompt_logprobs(row, x[j : j + 1, : lengths[j]])
-        finally:
-            self._routing.pool_mask = None
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens, values, tops = self._choose(rows, logits, logprobs, torch.argmax(logits, dim=-1))
+        x = self._embed(ids)
+        cos, sin = self._rotary(x, positions)
+        for i, layer in enumerate(self._fused):
+            h, _ = ops.rms_norm_torch(x, layer.input_norm, self._eps)
+            qkv = self._project_seq(layer.qkv, h, slot_t)
+            q, kk, v = ops.qk_heads_torch(
+                qkv, layer.q_norm, layer.k_norm, self._eps, cos, sin, self._heads, self._kv_heads
+            )
+            self._k[i, start : start + k, :, :width] = kk
+            self._v[i, start : start + k, :, :width] = v
+            # Right padding: a real query never sees a padded key under the causal mask.
+            o = F.scaled_dot_product_attention(q, kk, v, is_causal=True, scale=self._scale, enable_gqa=True)
+            x = x + self._project_seq(layer.o, o.transpose(1, 2).reshape(k, width, -1), slot_t)
+            h, _ = ops.rms_norm_torch(x, layer.post_norm, self._eps)
+            act = ops.silu_mul_torch(self._project_seq(layer.gate_up, h, slot_t))
+            x = x + self._project_seq(layer.down, act, slot_t)
+        last = x[torch.arange(k, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        logits, greedy, packed = self._greedy_outputs(self._unembed(last, slot_t))
+        for j, row in enumerate(rows):
+            if row.req.logprob_start_len is not None:
+                self._static_prompt_logprobs(row, x[j, : lengths[j]], slot_t[j])
+        tokens, values, tops = self._choose(rows, logits, greedy, packed)
         survivors: list[int] = []
         for j, row in enumerate(rows):
             if row.max_new_tokens == 0:
@@ -337,8 +409,8 @@ class StaticCacheEngine(HFEngine):
         if len(keep) < len(self._rows):
             self._retain(keep)
 
-    def _static_prompt_logprobs(self, row: _Row, hidden: torch.Tensor) -> None:
-        """Logprobs of ``input_ids[start + 1:]`` from the row's hidden states (1, n, H)."""
+    def _static_prompt_logprobs(self, row: _Row, hidden: torch.Tensor, slot: torch.Tensor) -> None:
+        """Logprobs of ``input_ids[start + 1:]`` from the row's hidden states (n, H)."""
         from services.sampler.engine import PROMPT_LOGPROB_CHUNK, _top
 
         ids = row.req.input_ids
@@ -347,7 +419,7 @@ class StaticCacheEngine(HFEngine):
         tops: list[TopK | None] = [None]
         for lo in range(start, len(ids) - 1, PROMPT_LOGPROB_CHUNK):
             hi = min(lo + PROMPT_LOGPROB_CHUNK, len(ids) - 1)
-            logits = self._lm_head(self._norm(hidden[:, lo:hi]))[0].float()  # (c, V)
+            logits = self._unembed(hidden[lo:hi].contiguous(), slot.expand(hi - lo).contiguous())  # (c, V)
             logprobs = torch.log_softmax(logits, dim=-1)
             targets = torch.tensor(ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
             values.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
@@ -369,8 +441,8 @@ class StaticCacheEngine(HFEngine):
         host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
         host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
         self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        logits, logprobs, greedy = self._step_outputs(b, window)
-        tokens, values, tops = self._choose(self._rows, logits[:n], logprobs[:n], greedy[:n])
+        logits, greedy, packed = self._step_outputs(b, window)
+        tokens, values, tops = self._choose(self._rows, logits[:n], greedy[:n], packed[:, :n])
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             self._pos[i] += 1
@@ -381,28 +453,34 @@ class StaticCacheEngine(HFEngine):
             self._retain(keep)
 
     def _choose(
-        self, rows: list[_Row], logits: torch.Tensor, logprobs: torch.Tensor, greedy: torch.Tensor
+        self, rows: list[_Row], logits: torch.Tensor, greedy: torch.Tensor, packed: torch.Tensor
     ) -> tuple[list[int], list[float], list[list[TopK]]]:
-        """Next token, its logprob and top logprobs of every row, with one host sync (two with tops)."""
-        chosen = greedy.clone()
-        for i, row in enumerate(rows):
-            req = row.req
-            if not is_greedy(req.temperature, req.top_k):
+        """Next token, its logprob and top logprobs of every row, with one host sync (two with tops).
+
+        ``packed`` (2, n): the greedy tokens and their logprobs; a batch of greedy rows without
+        top logprobs reads only that."""
+        sampled = [i for i, row in enumerate(rows) if not is_greedy(row.req.temperature, row.req.top_k)]
+        wanted = [i for i, row in enumerate(rows) if row.req.top_logprobs_num]
+        logprobs = torch.log_softmax(logits, dim=-1) if sampled or wanted else None
+        if sampled and logprobs is not None:
+            chosen = greedy.clone()
+            for i in sampled:
+                req = rows[i].req
                 chosen[i] = choose_token_tensor(
                     logits[i],
                     temperature=req.temperature,
                     top_k=req.top_k,
                     top_p=req.top_p,
                     min_p=req.min_p,
-                    generator=row.generator,
+                    generator=rows[i].generator,
                 )
-        picked = logprobs.gather(1, chosen[:, None])[:, 0]
-        host = torch.stack([chosen.double(), picked.double()]).cpu()
+            picked = logprobs.gather(1, chosen[:, None])[:, 0]
+            packed = torch.stack([chosen.double(), picked.double()])
+        host = packed.cpu()
         tokens = [int(t) for t in host[0].tolist()]
         values = host[1].tolist()
         tops: list[list[TopK]] = [[] for _ in rows]
-        wanted = [i for i, row in enumerate(rows) if row.req.top_logprobs_num]
-        if wanted:
+        if wanted and logprobs is not None:
             k = max(rows[i].req.top_logprobs_num for i in wanted)
             top_v, top_i = torch.topk(logprobs[wanted], k, dim=-1)
             for i, v, t in zip(wanted, top_v.tolist(), top_i.tolist(), strict=True):

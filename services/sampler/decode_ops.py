@@ -1,0 +1,481 @@
+"""The pieces of a decode step of the static-cache engine, each in torch and, on CUDA, in Triton.
+
+A decode step feeds one token per row through fused weights (q/k/v in one matrix, gate/up in
+one) with each row's own LoRA slot.  Every function here takes the same arguments on both
+paths; ``use_triton(x)`` decides (CUDA tensors and Triton importable, unless ``TRITON_OFF``
+is set for a comparison).  The torch versions are the reference the CUDA tests hold the
+kernels to, and what runs on the CPU.
+
+* ``rms_norm``: optional residual add, then RMSNorm (fp32 statistics, as Hugging Face's).
+* ``lora_delta`` / ``add_lora``: per-row LoRA over a fused group.  ``a``: (slots, R, in) holds
+  each slot's ``A`` of every member module stacked (member ``j`` owns rows ``[j r, (j + 1) r)``),
+  ``b``: (slots, out, r) each member's ``B`` over its output columns.  A row reads only its own
+  slot's matrices; rows of slot ``-1`` get nothing.  The kernels work per (slot, block) and skip
+  slots no row uses, so no row's output is ever computed from another slot's values.
+* ``qk_rope_cache``: per-head RMSNorm of q and k (Qwen3), rotary embedding, and the write of
+  the step's k and v into the cache at each row's position.
+* ``decode_attention``: each row's query heads against cache columns ``[0, length)`` of its own
+  row (grouped-query heads share their KV head), in blocks of ``SPLIT`` columns whose partial
+  softmax states are then combined; blocks past a row's length read nothing.
+* ``silu_mul``: ``silu(gate) * up`` of the fused gate/up output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+    tl = None
+
+SPLIT = 64
+"""Cache columns per attention block (one program of the decode attention kernel)."""
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and not os.environ.get("TINKERD_SAMPLER_TRITON_OFF")
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= ``cap`` that divides ``n``."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+# ----------------------------------------------------------------------------- torch versions
+
+
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x + residual): Hugging Face's RMSNorm (fp32 statistics, weight in x's dtype)."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def lora_delta_torch(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
+) -> torch.Tensor:
+    """The LoRA term (k, T, out) of rows ``x`` (k, T, in) with slots ``slots`` (k,), -1: none.
+
+    ``bounds``: the members' output offsets plus ``out`` (``[0, 4096, 5120, 6144]`` for q/k/v).
+    """
+    rank = b.shape[-1]
+    index = slots.clamp(min=0)
+    h = torch.bmm(x, a[index].transpose(1, 2))  # (k, T, R): each row with its own slot's A
+    parts = []
+    for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        bj = b[index, lo:hi]  # (k, n_j, r)
+        parts.append(torch.bmm(h[..., j * rank : (j + 1) * rank], bj.transpose(1, 2)))
+    delta = torch.cat(parts, dim=-1)
+    return torch.where((slots >= 0)[:, None, None], delta, torch.zeros_like(delta))
+
+
+def qk_heads_torch(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (k, H, T, D), k and v (k, KV, T, D) of the fused projection ``qkv`` (k, T, *);
+    ``cos``/``sin`` (k, T, D)."""
+    n, t, _ = qkv.shape
+    d = cos.shape[-1]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.reshape(n, t, heads, d), k.reshape(n, t, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm_torch(q, q_norm, eps)[0], rms_norm_torch(k, k_norm, eps)[0]
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.reshape(n, t, kv_heads, d).transpose(1, 2)
+    c, s = cos[:, None], sin[:, None]
+    half = d // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * c + rotate(q) * s, k * c + rotate(k) * s, v
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """o (B, H, D) of queries q (B, H, D) over columns ``[0, lengths)`` of cache rows ``[0, B)``."""
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    keys, values = k_cache[:b, :, :window], v_cache[:b, :, :window]  # (B, KV, W, D)
+    qg = q.reshape(b, kv, heads // kv, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # (B, KV, g, W)
+    visible = torch.arange(window, device=q.device)[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(b, heads, d)
+
+
+def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (
+                x.to(tl.float32) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+            ).to(x.dtype)
+            tl.store(sum_ptr + row * n + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (xf * rstd).to(x.dtype).to(tl.float32) * w
+        tl.store(out_ptr + row * n + cols, h.to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _lora_shrink_kernel(
+        x_ptr, a_ptr, slots_ptr, part_ptr, nrows, k_in, r_total,
+        BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        slot = tl.program_id(0)
+        split = tl.program_id(1)
+        every = tl.arange(0, BLOCK_B)
+        row_slots = tl.load(slots_ptr + every, mask=every < nrows, other=-1)
+        if tl.max((row_slots == slot).to(tl.int32), axis=0) > 0:  # else no row uses the slot: no work
+            ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+            rs = tl.arange(0, BLOCK_R)
+            a = tl.load(
+                a_ptr + slot * r_total * k_in + rs[:, None] * k_in + ks[None, :],
+                mask=rs[:, None] < r_total,
+                other=0.0,
+            )  # (R, K)
+            for m0 in range(0, BLOCK_B, BLOCK_M):
+                rows = m0 + tl.arange(0, BLOCK_M)
+                mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
+                x = tl.load(x_ptr + rows[:, None] * k_in + ks[None, :], mask=mine[:, None], other=0.0)
+                h = tl.dot(x, tl.trans(a))  # (M, R) fp32
+                out = part_ptr + split * nrows * r_total + rows[:, None] * r_total + rs[None, :]
+                tl.store(out, h, mask=mine[:, None] & (rs[None, :] < r_total))
+
+    @triton.jit
+    def _lora_expand_kernel(
+        y_ptr, part_ptr, b_ptr, slots_ptr, nrows, n_out, r_total, b1, b2,
+        SPLITS: tl.constexpr, RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        slot = tl.program_id(0)
+        c0 = tl.program_id(1) * CHUNK  # a chunk of columns inside one member's columns
+        rows = tl.arange(0, BLOCK_B)
+        mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
+        if tl.max(mine.to(tl.int32), axis=0) > 0:  # else no row uses the slot: no work
+            member = (c0 >= b1).to(tl.int32) + (c0 >= b2).to(tl.int32)
+            rs = tl.arange(0, RANK)
+            h = tl.zeros((BLOCK_B, RANK), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):  # the shrink's partial sums, in a fixed order
+                src = part_ptr + s * nrows * r_total + rows[:, None] * r_total + member * RANK + rs[None, :]
+                h += tl.load(src, mask=mine[:, None], other=0.0)
+            hb = h.to(b_ptr.dtype.element_ty)
+            for n in tl.static_range(0, CHUNK, BLOCK_N):
+                ns = c0 + n + tl.arange(0, BLOCK_N)
+                cols = ns < n_out
+                bt = tl.load(
+                    b_ptr + slot * n_out * RANK + ns[:, None] * RANK + rs[None, :],
+                    mask=cols[:, None],
+                    other=0.0,
+                )
+                delta = tl.dot(hb, tl.trans(bt))  # (B, N) fp32
+                dst = y_ptr + rows[:, None] * n_out + ns[None, :]
+                keep = mine[:, None] & cols[None, :]
+                y = tl.load(dst, mask=keep, other=0.0)
+                tl.store(dst, (y.to(tl.float32) + delta.to(hb.dtype).to(tl.float32)).to(y.dtype), mask=keep)
+
+    @triton.jit
+    def _qk_rope_cache_kernel(
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+        qkv_stride, cache_row, cache_head, cache_col, eps,
+        HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)  # [0, H): q heads, [H, H + KV): k heads, then v heads
+        half = tl.arange(0, HALF_P2)
+        hm = half < D // 2
+        base = qkv_ptr + row * qkv_stride + head * D
+        x1 = tl.load(base + half, mask=hm, other=0.0)
+        x2 = tl.load(base + D // 2 + half, mask=hm, other=0.0)
+        pos = tl.load(pos_ptr + row)
+        kv_head = head - HEADS
+        if head >= HEADS + KV:  # v: into the cache as it is
+            dst = v_cache_ptr + row * cache_row + (kv_head - KV) * cache_head + pos * cache_col
+            tl.store(dst + half, x1, mask=hm)
+            tl.store(dst + D // 2 + half, x2, mask=hm)
+        else:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            if HAS_NORM:
+                rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+                if head < HEADS:
+                    w1 = tl.load(qw_ptr + half, mask=hm, other=0.0).to(tl.float32)
+                    w2 = tl.load(qw_ptr + D // 2 + half, mask=hm, other=0.0).to(tl.float32)
+                else:
+                    w1 = tl.load(kw_ptr + half, mask=hm, other=0.0).to(tl.float32)
+                    w2 = tl.load(kw_ptr + D // 2 + half, mask=hm, other=0.0).to(tl.float32)
+                f1 = (f1 * rstd).to(x1.dtype).to(tl.float32) * w1
+                f2 = (f2 * rstd).to(x1.dtype).to(tl.float32) * w2
+                f1, f2 = f1.to(x1.dtype).to(tl.float32), f2.to(x1.dtype).to(tl.float32)
+            c1 = tl.load(cos_ptr + row * D + half, mask=hm, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + row * D + D // 2 + half, mask=hm, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + row * D + half, mask=hm, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + row * D + D // 2 + half, mask=hm, other=0.0).to(tl.float32)
+            o1 = (f1 * c1 - f2 * s1).to(x1.dtype)
+            o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
+            if head < HEADS:
+                dst = q_out_ptr + (row * HEADS + head) * D
+            else:
+                dst = k_cache_ptr + row * cache_row + kv_head * cache_head + pos * cache_col
+            tl.store(dst + half, o1, mask=hm)
+            tl.store(dst + D // 2 + half, o2, mask=hm)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, cache_row, cache_head, cache_col, scale, nsplit,
+        HEADS: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+        D_P2: tl.constexpr, SPLIT_N: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(len_ptr + row)
+        start = split * SPLIT_N
+        gs = tl.arange(0, BLOCK_G)
+        ds = tl.arange(0, D_P2)
+        dm = ds < D
+        state = ml_ptr + ((row * KV + kvh) * nsplit + split) * BLOCK_G * 2
+        if start >= length:  # past the row's filled columns: an empty block, nothing read
+            tl.store(state + gs * 2, tl.full((BLOCK_G,), float("-inf"), tl.float32))
+            tl.store(state + gs * 2 + 1, tl.zeros((BLOCK_G,), tl.float32))
+        else:
+            q = tl.load(
+                q_ptr + (row * HEADS + kvh * G + gs[:, None]) * D + ds[None, :],
+                mask=(gs[:, None] < G) & dm[None, :],
+                other=0.0,
+            )
+            ns = start + tl.arange(0, SPLIT_N)
+            visible = ns < length
+            kv_base = row * cache_row + kvh * cache_head
+            kv_mask = visible[:, None] & dm[None, :]
+            k = tl.load(k_ptr + kv_base + ns[:, None] * cache_col + ds[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale  # (G, N) fp32
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m = tl.max(s, axis=1)
+            p = tl.exp(s - m[:, None])
+            l_sum = tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_base + ns[:, None] * cache_col + ds[None, :], mask=kv_mask, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v)  # (G, D) fp32
+            out = acc_ptr + (((row * KV + kvh) * nsplit + split) * BLOCK_G + gs[:, None]) * D_P2 + ds[None, :]
+            tl.store(out, acc)
+            tl.store(state + gs * 2, m)
+            tl.store(state + gs * 2 + 1, l_sum)
+
+    @triton.jit
+    def _attention_combine_kernel(
+        acc_ptr, ml_ptr, o_ptr, nsplit,
+        HEADS: tl.constexpr, KV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+        D_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        kvh = head // G
+        g = head % G
+        ss = tl.arange(0, BLOCK_S)
+        ds = tl.arange(0, D_P2)
+        cell = (row * KV + kvh) * nsplit + ss
+        ok = ss < nsplit
+        m = tl.load(ml_ptr + (cell * BLOCK_G + g) * 2, mask=ok, other=float("-inf"))
+        lsum = tl.load(ml_ptr + (cell * BLOCK_G + g) * 2 + 1, mask=ok, other=0.0)
+        top = tl.max(m, axis=0)
+        weight = tl.where(ok & (lsum > 0), tl.exp(m - top), 0.0)
+        acc = tl.load(
+            acc_ptr + (cell[:, None] * BLOCK_G + g) * D_P2 + ds[None, :],
+            mask=(ok & (lsum > 0))[:, None],
+            other=0.0,
+        )
+        o = tl.sum(acc * weight[:, None], axis=0) / tl.sum(lsum * weight, axis=0)
+        tl.store(o_ptr + (row * HEADS + head) * D + ds, o.to(o_ptr.dtype.element_ty), mask=ds < D)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(gu_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * n + n + cols, mask=mask, other=0.0)
+        act = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (act * u.to(tl.float32)).to(u.dtype), mask=mask)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x + residual) of rows ``x`` (B, n)."""
+    if not use_triton(x):
+        return rms_norm_torch(x, weight, eps, residual)
+    b, n = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    kernel: Any = _rms_norm_kernel
+    kernel[(b,)](
+        x, residual if residual is not None else x, weight, out, total, n, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
+    )  # fmt: skip
+    return out, total
+
+
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
+) -> torch.Tensor:
+    """``y`` (B, out) plus each row's LoRA term of ``x`` (B, in); in place on the Triton path."""
+    if not use_triton(x):
+        return y + lora_delta_torch(x[:, None, :], a, b, slots, bounds)[:, 0, :]
+    nrows, k_in = x.shape
+    n_slots, r_total, _ = a.shape
+    rank = b.shape[-1]
+    n_out = b.shape[1]
+    block_k = _pow2_divisor(k_in, 1 << 14)  # the smallest power-of-two split with <= 32 splits
+    while block_k > 16 and k_in // (block_k // 2) <= 32:
+        block_k //= 2
+    splits = k_in // block_k
+    block_b = max(16, triton.next_power_of_2(nrows))
+    part = torch.empty(splits, nrows, r_total, device=x.device, dtype=torch.float32)
+    shrink: Any = _lora_shrink_kernel
+    shrink[(n_slots, splits)](
+        x, a, slots, part, nrows, k_in, r_total,
+        BLOCK_B=block_b, BLOCK_R=max(16, triton.next_power_of_2(r_total)), BLOCK_K=block_k, BLOCK_M=16,
+        num_warps=4,
+    )  # fmt: skip
+    sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    chunk = 1024
+    for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
+        chunk = min(chunk, _pow2_divisor(size, 1024))
+    chunk = min(chunk, triton.next_power_of_2(sizes[-1]))
+    block_n = min(128, chunk)
+    cuts = [*bounds[1:-1], n_out, n_out][:2]
+    expand: Any = _lora_expand_kernel
+    expand[(n_slots, triton.cdiv(n_out, chunk))](
+        y, part, b, slots, nrows, n_out, r_total, cuts[0], cuts[1],
+        SPLITS=splits, RANK=rank, BLOCK_B=block_b, BLOCK_N=block_n, CHUNK=chunk, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def qk_rope_cache(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """q (B, H, D) of one token per row; its k and v written into cache rows ``[0, B)`` at
+    ``positions``.  ``cos``/``sin``: (B, D); caches (rows, KV, columns, D) of one layer."""
+    b = qkv.shape[0]
+    d = cos.shape[-1]
+    if not use_triton(qkv):
+        q, k, v = qk_heads_torch(
+            qkv[:, None], q_norm, k_norm, eps, cos[:, None], sin[:, None], heads, kv_heads
+        )
+        rows = torch.arange(b, device=qkv.device)
+        k_cache[rows, :, positions] = k[:, :, 0, :]
+        v_cache[rows, :, positions] = v[:, :, 0, :]
+        return q[:, :, 0, :]
+    q_out = torch.empty(b, heads, d, device=qkv.device, dtype=qkv.dtype)
+    kernel: Any = _qk_rope_cache_kernel
+    kernel[(b, heads + 2 * kv_heads)](
+        qkv, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
+        cos, sin, q_out, k_cache, v_cache, positions,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        HEADS=heads, KV=kv_heads, D=d, HALF_P2=triton.next_power_of_2(d // 2), HAS_NORM=q_norm is not None,
+        num_warps=1,
+    )  # fmt: skip
+    return q_out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """o (B, H, D): each row's queries over its own cache columns ``[0, length)``."""
+    if not use_triton(q):
+        return decode_attention_torch(q, k_cache, v_cache, lengths, scale, window)
+    b, heads, d = q.shape
+    kv = k_cache.shape[1]
+    g = heads // kv
+    block_g = max(16, triton.next_power_of_2(g))
+    nsplit = triton.cdiv(window, SPLIT)
+    d_p2 = triton.next_power_of_2(d)
+    acc = torch.empty(b, kv, nsplit, block_g, d_p2, device=q.device, dtype=torch.float32)
+    ml = torch.empty(b, kv, nsplit, block_g, 2, device=q.device, dtype=torch.float32)
+    attn: Any = _decode_attention_kernel
+    attn[(b, kv, nsplit)](
+        q, k_cache, v_cache, lengths, acc, ml, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale, nsplit, HEADS=heads, KV=kv, G=g, BLOCK_G=block_g, D=d, D_P2=d_p2, SPLIT_N=SPLIT, num_warps=4,
+    )  # fmt: skip
+    o = torch.empty_like(q)
+    combine: Any = _attention_combine_kernel
+    combine[(b, heads)](
+        acc, ml, o, nsplit, HEADS=heads, KV=kv, G=g, BLOCK_G=block_g, D=d, D_P2=d_p2,
+        BLOCK_S=triton.next_power_of_2(nsplit), num_warps=4,
+    )  # fmt: skip
+    return o
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of rows ``gu`` (B, 2F) = [gate | up]."""
+    if not use_triton(gu):
+        return silu_mul_torch(gu)
+    b, two_n = gu.shape
+    n = two_n // 2
+    out = torch.empty(b, n, device=gu.device, dtype=gu.dtype)
+    kernel: Any = _silu_mul_kernel
+    kernel[(b, triton.cdiv(n, 1024))](gu, out, n, BLOCK=1024, num_warps=4)
+    return out

@@ -1,0 +1,192 @@
+"""The decode step's kernels (``decode_ops``, Triton on CUDA) against float64 torch references,
+and the CUDA engine's fused decode path end to end.
+
+Op tests draw fresh random bf16 inputs, poison what a kernel must not read, and hold the kernel
+to ``‖out − ref‖ / ‖ref‖`` within a bf16 bound against the float64 torch function (the same
+function the CPU path runs).  Isolation: rows of one LoRA slot are computed only from that
+slot's matrices, rows of slot ``-1`` only from the base, whatever the other slots hold (NaN
+included: the kernels never read a slot no row of the output uses).  The engine tests: the
+NaN adapter refused at load, and a batch of mixed adapters where NaN in the unused slots and a
+change of one row's adapter leave every other row's output bit-identical.  (The fused path's
+logprobs against the float64 reference within the bf16 floor, and graph replay against eager
+decoding, are ``test_static_engine.py``'s CUDA tests, which now run this path.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.sampler import decode_ops as ops
+from services.sampler.config import SamplerConfig
+from services.sampler.interface import SequenceRequest
+from services.sampler.lora import AdapterError
+from services.sampler.static_engine import StaticCacheEngine
+
+cuda = pytest.mark.skipif(ops.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton")
+BF16_BOUND = 1e-2
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm())
+
+
+def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * scale).to(torch.bfloat16)
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_cuda_rms_norm_with_residual_matches_float64(batch: int) -> None:
+    x, res, w = rnd(batch, 4096), rnd(batch, 4096), rnd(4096)
+    h, total = ops.rms_norm(x, w, 1e-6, res)
+    ref_h, ref_total = ops.rms_norm_torch(x.double(), w.double(), 1e-6, res.double())
+    assert rel(total, ref_total) < BF16_BOUND and rel(h, ref_h) < BF16_BOUND
+
+
+@cuda
+@pytest.mark.parametrize(("batch", "slots_used"), [(1, 1), (8, 8), (64, 8), (64, 3)])
+def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slots_used: int) -> None:
+    """q/k/v-shaped group: 8 slots of rank 32; rows use ``slots_used`` of them, some rows none.
+    The unused slots hold NaN: no output row may see them."""
+    n_slots, rank, k_in, bounds = 8, 32, 4096, [0, 4096, 5120, 6144]
+    a = rnd(n_slots, 3 * rank, k_in, scale=k_in**-0.5)
+    b = rnd(n_slots, bounds[-1], rank, scale=0.05)
+    slots = torch.arange(batch, device="cuda") % slots_used
+    slots[::4] = -1  # every fourth row without an adapter
+    unused = [s for s in range(n_slots) if s not in set(slots.tolist())]
+    a[unused], b[unused] = float("nan"), float("nan")
+    x, y0 = rnd(batch, k_in), rnd(batch, bounds[-1])
+    y = ops.add_lora(y0.clone(), x, a, b, slots, bounds)
+    ref = y0.double() + ops.lora_delta_torch(x.double()[:, None], a.double(), b.double(), slots, bounds)[:, 0]
+    assert rel(y, ref) < BF16_BOUND
+    assert torch.equal(y[slots < 0], y0[slots < 0])  # no adapter: the base output, untouched
+
+
+@cuda
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_cuda_qk_rope_cache_matches_float64(qk_norm: bool) -> None:
+    batch, heads, kv, d, columns = 6, 32, 8, 128, 300
+    qkv = rnd(batch, (heads + 2 * kv) * d)
+    qw, kw = (rnd(d), rnd(d)) if qk_norm else (None, None)
+    angle = torch.rand(batch, d // 2, device="cuda") * 6.28
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(torch.bfloat16)
+    positions = torch.randint(0, columns, (batch,), device="cuda")
+    k_cache = torch.full((batch + 2, kv, columns, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_cache = k_cache.clone()
+    q = ops.qk_rope_cache(qkv, qw, kw, 1e-6, cos, sin, k_cache, v_cache, positions, heads, kv)
+    double = lambda t: t.double() if t is not None else None  # noqa: E731
+    rq, rk, _ = ops.qk_heads_torch(
+        qkv.double()[:, None],
+        double(qw),
+        double(kw),
+        1e-6,
+        cos.double()[:, None],
+        sin.double()[:, None],
+        heads,
+        kv,
+    )
+    rows = torch.arange(batch, device="cuda")
+    assert rel(q, rq[:, :, 0]) < BF16_BOUND
+    assert rel(k_cache[rows, :, positions], rk[:, :, 0]) < BF16_BOUND
+    assert torch.equal(v_cache[rows, :, positions], qkv[:, (heads + kv) * d :].reshape(batch, kv, d))
+    k_cache[rows, :, positions] = 0
+    assert torch.isnan(k_cache[rows]).sum() == batch * kv * (columns - 1) * d  # nothing else written
+
+
+@cuda
+@pytest.mark.parametrize("window", [256, 1024])
+def test_cuda_decode_attention_matches_float64_and_reads_only_filled_columns(window: int) -> None:
+    batch, heads, kv, d = 7, 32, 8, 128
+    q = rnd(batch, heads, d)
+    k_cache, v_cache = rnd(batch + 1, kv, window, d), rnd(batch + 1, kv, window, d)
+    lengths = torch.tensor([1, 2, 63, 64, 65, window // 2, window], device="cuda")
+    for row, n in enumerate(lengths.tolist()):  # columns past a row's length: poison
+        k_cache[row, :, n:], v_cache[row, :, n:] = float("nan"), float("nan")
+    o = ops.decode_attention(q, k_cache, v_cache, lengths, d**-0.5, window)
+    clean_k, clean_v = k_cache.nan_to_num(0.0).double(), v_cache.nan_to_num(0.0).double()
+    ref = ops.decode_attention_torch(q.double(), clean_k, clean_v, lengths, d**-0.5, window)
+    assert rel(o, ref) < BF16_BOUND
+
+
+@cuda
+def test_cuda_silu_mul_matches_float64() -> None:
+    gu = rnd(9, 2 * 12288)
+    assert rel(ops.silu_mul(gu), ops.silu_mul_torch(gu.double())) < BF16_BOUND
+
+
+# ---------------------------------------------------------------- the engine, fused decode path
+
+CASES = [
+    ([11, 17, 300, 45, 987, 12], "ad0"),
+    ([40, 5, 6], "head"),
+    ([1200, 44, 88, 301, 7, 9, 1000, 64, 30, 5, 17], None),
+    ([3, 99, 512, 7], "ad3"),
+    ([8, 8, 1900, 2], "ad5"),
+]
+
+
+def _generate(
+    model_dir: Path,
+    adapter_dirs: dict[str, Path],
+    cases: list[tuple[list[int], str | None]],
+    poison: bool = False,
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy outputs of ``cases`` in one batch (graphs on); ``poison``: every LoRA slot the
+    batch does not use holds NaN."""
+    eng = StaticCacheEngine(SamplerConfig(model_path=str(model_dir), device="cuda", max_batch_size=8))
+    try:
+        names = sorted({a for _, a in cases if a is not None})
+        if poison:
+            with torch.inference_mode():
+                for group in eng._pool.groups.values():
+                    group.a[len(names) :] = float("nan")
+                    group.b[len(names) :] = float("nan")
+
+        async def run() -> list[tuple[list[int], list[float]]]:
+            for name in names:
+                await eng.load_adapter(name, str(adapter_dirs[name]))
+            reqs = [
+                SequenceRequest(input_ids=p, max_new_tokens=16, temperature=0.0, ignore_eos=True, lora_name=a)
+                for p, a in cases
+            ]
+            return [(o.output_ids, o.output_logprobs) for o in await eng.generate(reqs)]
+
+        return asyncio.run(run())
+    finally:
+        eng.close()
+
+
+@cuda
+def test_cuda_mixed_adapters_are_isolated_and_a_nan_adapter_is_refused(
+    model_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A NaN adapter cannot be loaded.  In a mixed batch: NaN in every slot no row uses changes
+    no output (bit for bit), and changing one row's adapter changes that row and no other."""
+    from safetensors.torch import load_file, save_file
+
+    src = adapter_dirs["ad0"]
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    eng = StaticCacheEngine(SamplerConfig(model_path=str(model_dir), device="cuda", max_batch_size=8))
+    try:
+        with pytest.raises(AdapterError, match="non-finite"):
+            asyncio.run(eng.load_adapter("nan", str(bad)))
+    finally:
+        eng.close()
+    clean = _generate(model_dir, adapter_dirs, CASES)
+    assert _generate(model_dir, adapter_dirs, CASES, poison=True) == clean
+    swapped = _generate(model_dir, adapter_dirs, [(CASES[0][0], "ad7"), *CASES[1:]])
+    assert swapped[0] != clean[0]
+    assert swapped[1:] == clean[1:]
