@@ -13,7 +13,7 @@ names the field in every error, e.g. ``ForwardBackwardRequest.data[2].loss_fn_in
   its loss config and provenance spans become plain values (``decode_forward_backward_request``);
 - token ids and tensors become numpy arrays (``model_input_tokens``, ``tensor_to_numpy``),
   checking sizes, shapes and CSR indices; validation.py turns them into bus datums;
-- results are built as generated messages (``forward_backward_output``, ``sampled_sequence``).
+- forward/backward results are built as generated messages (``forward_backward_output``).
 
 Byte payloads are little-endian numpy buffers: token ids are int32, tensor payloads are raw
 values in their ``DType``, CSR indices are int64. Unknown fields are skipped (newer SDKs may
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -356,47 +356,6 @@ def _wire_dtype(array: npt.NDArray[Any], where: str) -> pb.DType:
     if array.dtype.kind in "iub":
         return pb.DTYPE_INT32 if array.dtype == np.int32 else pb.DTYPE_INT64
     raise ValueError(f"{where}: cannot send {array.dtype} values")
-
-
-def tensor_from_numpy(array: npt.ArrayLike) -> pb.Tensor:
-    """A dense Tensor (float32, int32 or int64) holding ``array`` with its shape."""
-    values = np.asarray(array)
-    dtype = _wire_dtype(values, "tensor")
-    return pb.Tensor(dtype=dtype, shape=values.shape, dense=values.astype(_NUMPY[dtype]).tobytes())
-
-
-def float32_bytes(values: npt.ArrayLike) -> bytes:
-    """Little-endian float32 bytes, e.g. prompt logprobs with NaN where not scored."""
-    return np.asarray(values, dtype="<f4").tobytes()
-
-
-def topk_logprobs(token_ids: npt.ArrayLike, logprobs: npt.ArrayLike) -> pb.TopkLogprobs:
-    """Pack ``[length, k]`` matrices; pad empty cells with token 0 and logprob -99999."""
-    ids, lps = np.asarray(token_ids), np.asarray(logprobs)
-    if ids.ndim != 2 or ids.shape != lps.shape:
-        raise ValueError(f"top-k needs two equal [length, k] matrices, got {ids.shape} and {lps.shape}")
-    return pb.TopkLogprobs(
-        token_ids=ids.astype("<i4").tobytes(),
-        logprobs=lps.astype("<f4").tobytes(),
-        k=ids.shape[1],
-        length=ids.shape[0],
-    )
-
-
-def sampled_sequence(
-    tokens: npt.ArrayLike,
-    logprobs: npt.ArrayLike | None,
-    stop_reason: Literal["stop", "length"],
-    *,
-    topk: pb.TopkLogprobs | None = None,
-) -> pb.SampledSequence:
-    """One sampled sequence; ``logprobs`` (one per token) should always be sent."""
-    return pb.SampledSequence(
-        stop_reason=pb.STOP_REASON_LENGTH if stop_reason == "length" else pb.STOP_REASON_STOP,
-        tokens=np.asarray(tokens, dtype="<i4").tobytes(),
-        logprobs=None if logprobs is None else float32_bytes(logprobs),
-        topk_sampled_logprobs=topk,
-    )
 
 
 def forward_backward_output(

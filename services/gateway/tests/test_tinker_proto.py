@@ -24,6 +24,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from services.gateway import proto as tp
 from services.gateway import tinker_public_pb2 as gpb
+from services.gateway.tests import proto_results as pr
 
 
 def _raw(inputs: dict[str, Any]) -> Any:
@@ -190,7 +191,8 @@ def test_cross_entropy_request_from_the_sdk_decodes_field_for_field() -> None:
     assert tp.model_input_tokens(request.data[1]).tolist() == [9, 8, 151_643]
 
 
-def test_ppo_config_dual_writes_numbers_and_keeps_text_in_v2_only() -> None:
+def test_ppo_config_numbers_and_text_merge_from_both_maps() -> None:
+    """The SDK writes numbers to both config maps and text to v2 only; one merged config comes out."""
     data = [
         types.Datum(
             model_input=types.ModelInput.from_ints([5, 6]),
@@ -349,7 +351,7 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     for i, row in enumerate(rows):
         for j, (token, logprob) in enumerate(row or []):
             ids[i, j], lps[i, j] = token, logprob
-    return tp.topk_logprobs(ids, lps)
+    return pr.topk_logprobs(ids, lps)
 
 
 def test_sample_response_is_read_back_by_the_sdk() -> None:
@@ -359,22 +361,22 @@ def test_sample_response_is_read_back_by_the_sdk() -> None:
         [(8, -0.25)],
     ]
     sample_topk: list[list[tuple[int, float]] | None] = [[(1, -0.125), (2, -4.0)], [(3, -0.5)]]
-    alt_tokens = tp.tensor_from_numpy(np.array([[4, 5], [6, 7]], np.int64))
-    alt_logprobs = tp.tensor_from_numpy(np.array([[-1.0, -2.0], [-3.0, -4.0]], np.float32))
+    alt_tokens = pr.tensor_from_numpy(np.array([[4, 5], [6, 7]], np.int64))
+    alt_logprobs = pr.tensor_from_numpy(np.array([[-1.0, -2.0], [-3.0, -4.0]], np.float32))
     response = pb.SampleResponse(
         sequences=[
-            tp.sampled_sequence([10, 11], [-0.5, -0.75], "stop", topk=_topk(sample_topk, 2)),
-            tp.sampled_sequence([12, 13, 14, 15], [-0.1, -0.2, -0.3, -0.4], "length"),
-            tp.sampled_sequence([16], None, "stop"),
+            pr.sampled_sequence([10, 11], [-0.5, -0.75], "stop", topk=_topk(sample_topk, 2)),
+            pr.sampled_sequence([12, 13, 14, 15], [-0.1, -0.2, -0.3, -0.4], "length"),
+            pr.sampled_sequence([16], None, "stop"),
         ],
-        prompt_logprobs=tp.float32_bytes([math.nan, -1.25, -0.5]),
+        prompt_logprobs=pr.float32_bytes([math.nan, -1.25, -0.5]),
         topk_prompt_logprobs=_topk(prompt_topk, 3),
         prompt_cache_hit_tokens=2,
         target_prompt_logprobs=pb.Tensor(
             dtype=pb.DTYPE_FLOAT32,
             shape=[2, 3],
             sparse_csr=pb.SparseCsr(
-                values=tp.float32_bytes([-0.5, -1.5]),
+                values=pr.float32_bytes([-0.5, -1.5]),
                 crow_indices=np.array([0, 1, 2], "<i8").tobytes(),
                 col_indices=np.array([2, 0], "<i8").tobytes(),
             ),
@@ -402,7 +404,7 @@ def test_sample_response_is_read_back_by_the_sdk() -> None:
 
 def test_minimal_sample_response_has_no_optional_parts() -> None:
     sdk = response_conv.deserialize_sample_response(
-        pb.SampleResponse(sequences=[tp.sampled_sequence([1], [-0.5], "stop")]).SerializeToString()
+        pb.SampleResponse(sequences=[pr.sampled_sequence([1], [-0.5], "stop")]).SerializeToString()
     )
     assert sdk.prompt_logprobs is None and sdk.topk_prompt_logprobs is None
     assert sdk.target_prompt_logprobs is None and sdk.prompt_alt_tokens is None
@@ -629,7 +631,7 @@ def test_tensor_helpers_reject_inconsistent_sizes() -> None:
     with pytest.raises(tp.ProtoDecodeError, match="unsupported dtype"):
         tp.tensor_to_numpy(pb.Tensor(dense=b""))
     bad_csr = pb.SparseCsr(
-        values=tp.float32_bytes([1.0]),
+        values=pr.float32_bytes([1.0]),
         crow_indices=np.array([0, 1], "<i8").tobytes(),
         col_indices=np.array([5], "<i8").tobytes(),
     )

@@ -45,6 +45,7 @@ from services.gateway import admin_wire as aw
 from services.gateway import proto as tp
 from services.gateway import tinker_public_pb2 as pb
 from services.gateway import tinker_wire as tw
+from services.gateway.tests import proto_results as pr
 
 NOW = dt.datetime(2026, 11, 29, 10, 11, 12, 345000, tzinfo=dt.UTC)
 
@@ -803,11 +804,11 @@ def test_legacy_sample_json_matches_the_protobuf_result() -> None:
     lps = np.array([[-99999.0, -99999.0], [-0.5, -1.0], [-0.25, -99999.0]], np.float32)
     response = pb.SampleResponse(
         sequences=[
-            tp.sampled_sequence([1, 2], [-0.5, -0.25], "length"),
-            tp.sampled_sequence([3], None, "stop"),
+            pr.sampled_sequence([1, 2], [-0.5, -0.25], "length"),
+            pr.sampled_sequence([3], None, "stop"),
         ],
-        prompt_logprobs=tp.float32_bytes([math.nan, -1.5, -0.75]),
-        topk_prompt_logprobs=tp.topk_logprobs(ids, lps),
+        prompt_logprobs=pr.float32_bytes([math.nan, -1.5, -0.75]),
+        topk_prompt_logprobs=pr.topk_logprobs(ids, lps),
         prompt_cache_hit_tokens=1,
     )
     legacy_body = msgspec.json.encode(tw.legacy_sample_response(response))
