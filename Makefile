@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
 
-.PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 clean
+.PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 proto clean
 
 install: browser $(VENV)/.installed
 
@@ -37,6 +37,22 @@ $(SDK024_VENV)/.installed:
 	$(SDK024_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SDK024_VENV)/bin/python -m pip install -q tinker==0.24.1 numpy
 	touch $@
+
+# The gateway's protobuf classes, generated from services/gateway/tinker_public.proto and checked in.
+# Regenerate after editing the .proto or when the protobuf runtime's major version moves; protoc comes
+# from grpcio-tools, whose protoc must not be newer than the installed protobuf runtime
+# (grpcio-tools 1.85.1 ships protoc 35.1: gencode 7.35.1, which protobuf 7.35.1 and later accept).
+GRPCIO_TOOLS ?= grpcio-tools==1.85.1
+PROTO_DIR := services/gateway
+PROTO_GEN_TOOLS := $(abspath build/grpcio-tools)
+
+proto:
+	$(PY) -m pip install -q --no-deps --target $(PROTO_GEN_TOOLS) '$(GRPCIO_TOOLS)'
+	cd $(PROTO_DIR) && PYTHONPATH=$(PROTO_GEN_TOOLS) $(abspath $(PY)) -m grpc_tools.protoc -I. \
+		--python_out=. --pyi_out=. tinker_public.proto
+	for f in $(PROTO_DIR)/tinker_public_pb2.py $(PROTO_DIR)/tinker_public_pb2.pyi; do \
+		{ echo '# Generated from tinker_public.proto by protoc ($(GRPCIO_TOOLS)): regenerate with `make proto`.'; \
+		  cat $$f; } > $$f.tmp && mv $$f.tmp $$f; done
 
 run: install
 	$(VENV)/bin/tinkerd up

@@ -1,4 +1,4 @@
-"""The hand-written protobuf decoder against generated code, on the SDK's own request bytes.
+"""The gateway's protobuf decode path against a bare generated parse, on the SDK's own bytes.
 
 Usage: ``.venv/bin/python -m bench.proto_codec [--repeat N]``
 
@@ -6,10 +6,11 @@ The request: 8 datums x 1024 tokens with ``target_tokens`` and ``weights``, enco
 SDK's own converter (``tinker.proto.request_conv``). Two decoders turn it into numpy arrays
 (tokens, and every loss input):
 
-- ``tinkerd``: ``services.gateway.tinker_proto`` (msgspec Structs; bytes fields become numpy
-  views without a copy);
-- ``generated``: the SDK's protoc-generated ``tinker_public_pb2`` on the installed protobuf
-  runtime (upb, C), then ``np.frombuffer`` over the same bytes fields.
+- ``tinkerd``: ``services.gateway.proto`` (the checked-in generated ``tinker_public_pb2``, then
+  the field checks, provenance spans and loss config, and numpy arrays with sizes and shapes
+  checked), what ``POST /api/v1/forward_backward`` does before validation against limits;
+- ``generated``: the same generated classes with nothing checked: ``ParseFromString``, then
+  ``np.frombuffer`` over the same bytes fields.
 
 It also feeds both a request with one corrupted field and prints what each error says. Raw
 output goes to ``bench/results/proto_codec/``.
@@ -27,9 +28,9 @@ import numpy as np
 from google.protobuf.internal import api_implementation
 from tinker import types
 from tinker.proto import request_conv
-from tinker.proto import tinker_public_pb2 as pb
 
-from services.gateway import tinker_proto as tp
+from services.gateway import proto
+from services.gateway import tinker_public_pb2 as pb
 
 DTYPES = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
 
@@ -54,12 +55,12 @@ def request_bytes() -> bytes:
 
 
 def decode_tinkerd(body: bytes) -> int:
-    request = tp.decode_forward_backward_request(body)
+    request = proto.decode_forward_backward_request(body)
     n = 0
     for datum in request.data:
-        n += len(tp.model_input_tokens(datum))
+        n += len(proto.model_input_tokens(datum))
         for tensor in datum.loss_fn_inputs.values():
-            n += tp.tensor_to_numpy(tensor).size
+            n += proto.tensor_to_numpy(tensor).size
     return n
 
 

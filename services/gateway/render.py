@@ -13,17 +13,18 @@ from libs.contracts.results import (
     SampleResult,
     TopK,
 )
-from services.gateway import tinker_proto as tp
+from services.gateway import proto
+from services.gateway import tinker_public_pb2 as pb
 from services.gateway import tinker_wire as w
 
 PROTOBUF = "application/x-protobuf"
 
 
-def forward_backward_proto(result: ForwardBackwardResult) -> tp.ForwardBackwardOutput:
+def forward_backward_proto(result: ForwardBackwardResult) -> pb.ForwardBackwardOutput:
     outputs = [
         {"logprobs": _logprobs(d), "loss": np.asarray([d.loss], dtype=np.float32)} for d in result.outputs
     ]
-    return tp.forward_backward_output(outputs, result.metrics)
+    return proto.forward_backward_output(outputs, result.metrics)
 
 
 def _logprobs(datum: DatumResult) -> np.ndarray:
@@ -32,17 +33,17 @@ def _logprobs(datum: DatumResult) -> np.ndarray:
     return flat.reshape(-1, datum.k) if datum.k else flat
 
 
-def _topk(topk: TopK | None) -> tp.TopkLogprobs | None:
+def _topk(topk: TopK | None) -> pb.TopkLogprobs | None:
     if topk is None:
         return None
-    return tp.TopkLogprobs(token_ids=topk.token_ids, logprobs=topk.logprobs, k=topk.k, length=topk.length)
+    return pb.TopkLogprobs(token_ids=topk.token_ids, logprobs=topk.logprobs, k=topk.k, length=topk.length)
 
 
-def sample_proto(result: SampleResult) -> tp.SampleResponse:
-    return tp.SampleResponse(
+def sample_proto(result: SampleResult) -> pb.SampleResponse:
+    return pb.SampleResponse(
         sequences=[
-            tp.SampledSequence(
-                stop_reason=tp.StopReason.LENGTH if seq.stop_reason == "length" else tp.StopReason.STOP,
+            pb.SampledSequence(
+                stop_reason=pb.STOP_REASON_LENGTH if seq.stop_reason == "length" else pb.STOP_REASON_STOP,
                 tokens=seq.tokens,
                 logprobs=seq.logprobs,
                 topk_sampled_logprobs=_topk(seq.topk),
@@ -62,13 +63,13 @@ def render(result: RequestResult, accept: str) -> Response[object]:
         category = body.category if body.category in ("user", "server", "unknown") else "unknown"
         return Response(w.RequestFailedResponse(error=body.error, category=category))  # type: ignore[arg-type]
     if isinstance(body, ForwardBackwardResult):
-        proto = forward_backward_proto(body)
+        message = forward_backward_proto(body)
         if wants_proto:
-            return Response(tp.encode_forward_backward_output(proto), media_type=PROTOBUF)
-        return Response(w.legacy_forward_backward_output(proto))
+            return Response(message.SerializeToString(), media_type=PROTOBUF)
+        return Response(w.legacy_forward_backward_output(message))
     if isinstance(body, SampleResult):
         sample = sample_proto(body)
         if wants_proto:
-            return Response(tp.encode_sample_response(sample), media_type=PROTOBUF)
+            return Response(sample.SerializeToString(), media_type=PROTOBUF)
         return Response(w.legacy_sample_response(sample))
     return Response(body)  # one of the SDK's small response types (results.JsonResult)

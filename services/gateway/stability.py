@@ -30,7 +30,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import BusDatum, BusTensor, now_ns
 from libs.contracts.results import SampleResult
 from libs.contracts.sampling import SampleJob, SequenceRecord
-from services.gateway import tinker_proto as tp
+from services.gateway import proto
 from services.gateway.context import Gateway
 from services.gateway.errors import BadRequest
 
@@ -39,7 +39,7 @@ log = logging.getLogger("tinkerd.gateway.stability")
 LIFETIME_NS = 86_400 * 10**9
 """A record can be trained on for one day after it was sampled or last used by a training request."""
 
-Spans = Sequence[tp.ProvenanceSpan]
+Spans = Sequence[proto.ProvenanceSpan]
 
 
 async def record(
@@ -107,7 +107,7 @@ async def _records(gateway: Gateway, sequence_ids: set[str]) -> dict[str, _Recor
 
 
 def _source(
-    where: str, span: tp.ProvenanceSpan, records: dict[str, _Recorded], session_id: str, now: int
+    where: str, span: proto.ProvenanceSpan, records: dict[str, _Recorded], session_id: str, now: int
 ) -> tuple[_Recorded, np.ndarray, str]:
     """(the record, the tokens the span claims, what they are) or a 400 naming the span."""
     found = records.get(span.sequence_id)
@@ -127,7 +127,7 @@ def _source(
             f"{where}: sequence {span.sequence_id!r} has expired (a record lives one day after "
             "sampling or its last use by a training request)"
         )
-    sampled = isinstance(span, tp.SampledProvenanceSpan)
+    sampled = isinstance(span, proto.SampledProvenanceSpan)
     source, what = (found.tokens, "sampled tokens") if sampled else (found.prompt, "prompt")
     if span.offset < 0 or span.length < 0 or span.offset + span.length > source.size:
         raise BadRequest(
@@ -183,7 +183,7 @@ def _resolve_datum(
         where = f"{at}.loss_fn_input_spans[{j}]"
         found, claimed, what = _source(where, span, records, session_id, now)
         end = position + span.length
-        if isinstance(span, tp.SampledProvenanceSpan):  # prompt targets carry no advantage: unchecked
+        if isinstance(span, proto.SampledProvenanceSpan):  # prompt targets carry no advantage: unchecked
             if not np.array_equal(targets[position:end], claimed):
                 raise BadRequest(
                     f"{where}: target_tokens at [{position}, {end}) differ from sequence "

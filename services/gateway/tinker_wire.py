@@ -1,6 +1,6 @@
 """JSON bodies of the Tinker HTTP API (SDK 0.38, plus the <= 0.24 JSON forms) as msgspec Structs.
 
-Everything the SDK sends or reads as JSON is here; the protobuf half is ``tinker_proto``.
+Everything the SDK sends or reads as JSON is here; the protobuf half is ``proto``.
 Two rules keep the real SDK happy:
 
 - Requests are open-world: unknown fields are ignored (newer SDKs add some), every optional
@@ -48,7 +48,8 @@ from libs.contracts.results import (
 from libs.contracts.results import (
     UnloadModelResponse as UnloadModelResponse,
 )
-from services.gateway import tinker_proto as tp
+from services.gateway import proto
+from services.gateway import tinker_public_pb2 as pb
 from services.gateway.admin_wire import (  # the account and admin schemas, defined once there
     AuthTokenResponse as AuthTokenResponse,
 )
@@ -139,7 +140,7 @@ class TensorData(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
                 raise ValueError("TensorData: sparse CSR needs shape and sparse_col_indices")
             crow = np.asarray(self.sparse_crow_indices, dtype=np.int64)
             col = np.asarray(self.sparse_col_indices, dtype=np.int64)
-            return tp.csr_to_dense(values, crow, col, self.shape, pad_value=pad_value, where="TensorData")
+            return proto.csr_to_dense(values, crow, col, self.shape, pad_value=pad_value, where="TensorData")
         if self.shape is None:
             return values
         if math.prod(self.shape) != values.size:
@@ -160,8 +161,8 @@ class Datum(msgspec.Struct, frozen=True, kw_only=True):
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = {}
-    model_input_spans: list[tp.ProvenanceSpan] | None = None
-    loss_fn_input_spans: list[tp.ProvenanceSpan] | None = None
+    model_input_spans: list[proto.ProvenanceSpan] | None = None
+    loss_fn_input_spans: list[proto.ProvenanceSpan] | None = None
 
 
 class ForwardBackwardInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -770,11 +771,11 @@ class LegacySampleResponse(
     prompt_cache_hit_tokens: int = 0
 
 
-def legacy_forward_backward_output(output: tp.ForwardBackwardOutput) -> LegacyForwardBackwardOutput:
+def legacy_forward_backward_output(output: pb.ForwardBackwardOutput) -> LegacyForwardBackwardOutput:
     """The JSON form of a protobuf result, for clients that did not ask for protobuf."""
     datums: list[dict[str, TensorData]] = []
     for record in output.loss_fn_outputs:
-        per_field = {name: tp.batched_tensor_datums(bt, name) for name, bt in record.fields.items()}
+        per_field = {name: proto.batched_tensor_datums(bt, name) for name, bt in record.fields.items()}
         count = record.num_datums or len(next(iter(per_field.values()), []))
         datums.extend(
             {name: TensorData.from_numpy(arrays[i]) for name, arrays in per_field.items()}
@@ -787,25 +788,25 @@ def legacy_forward_backward_output(output: tp.ForwardBackwardOutput) -> LegacyFo
     )
 
 
-def legacy_sample_response(response: tp.SampleResponse) -> LegacySampleResponse:
+def legacy_sample_response(response: pb.SampleResponse) -> LegacySampleResponse:
     """The JSON form of a protobuf result: NaN prompt logprobs become ``null``, and top-k rows
     lose their padding (a row that is all padding becomes ``null``)."""
     sequences = [
         LegacySampledSequence(
-            stop_reason="length" if seq.stop_reason == tp.StopReason.LENGTH else "stop",
+            stop_reason="length" if seq.stop_reason == pb.STOP_REASON_LENGTH else "stop",
             tokens=np.frombuffer(seq.tokens, dtype="<i4").tolist(),
-            logprobs=None if seq.logprobs is None else np.frombuffer(seq.logprobs, dtype="<f4").tolist(),
+            logprobs=np.frombuffer(seq.logprobs, dtype="<f4").tolist() if seq.HasField("logprobs") else None,
         )
         for seq in response.sequences
     ]
     prompt: list[float | None] | None = None
-    if response.prompt_logprobs is not None:
+    if response.HasField("prompt_logprobs"):
         prompt = [
             None if math.isnan(v) else v for v in np.frombuffer(response.prompt_logprobs, "<f4").tolist()
         ]
     topk: list[list[tuple[int, float]] | None] | None = None
-    if response.topk_prompt_logprobs is not None:
-        ids, lps = tp.topk_arrays(response.topk_prompt_logprobs)
+    if response.HasField("topk_prompt_logprobs"):
+        ids, lps = proto.topk_arrays(response.topk_prompt_logprobs)
         topk = []
         for row_ids, row_lps in zip(ids.tolist(), lps.tolist(), strict=True):
             row = list(zip(row_ids, row_lps, strict=True))

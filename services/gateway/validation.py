@@ -13,7 +13,8 @@ import numpy as np
 
 from libs.contracts.common import BusDatum, BusTensor
 from libs.contracts.loss_specs import LOSS_SPECS, unsupported_loss_error, validate_loss_request
-from services.gateway import tinker_proto as tp
+from services.gateway import proto
+from services.gateway import tinker_public_pb2 as pb
 from services.gateway import tinker_wire as w
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import BadRequest, PayloadTooLarge
@@ -83,18 +84,18 @@ def _bus_datum(index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], li
     return BusDatum(tokens=tokens.astype("<i4").tobytes(), inputs=bus_inputs)
 
 
-def datums_from_proto(data: Sequence[tp.Datum], limits: Limits) -> list[BusDatum]:
+def datums_from_proto(data: Sequence[pb.Datum], limits: Limits) -> list[BusDatum]:
     check_count(len(data), limits)
     out = []
     for index, datum in enumerate(data):
         try:
-            tokens = tp.model_input_tokens(datum).astype(np.int64)
+            tokens = proto.model_input_tokens(datum).astype(np.int64)
         except ValueError as exc:
             raise BadRequest(f"data[{index}].model_input: text only ({exc})") from exc
         inputs = {}
         for name, tensor in datum.loss_fn_inputs.items():
             try:
-                inputs[name] = tp.tensor_to_numpy(tensor, where=f"data[{index}].loss_fn_inputs.{name}")
+                inputs[name] = proto.tensor_to_numpy(tensor, where=f"data[{index}].loss_fn_inputs.{name}")
             except ValueError as exc:
                 raise BadRequest(str(exc)) from exc
         out.append(_bus_datum(index, tokens, inputs, limits))

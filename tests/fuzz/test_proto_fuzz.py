@@ -2,7 +2,7 @@
 
 Requests come from the SDK's own encoder (`tinker.proto.request_conv`) over random datums, then
 are cut or mutated (bytes flipped, inserted, deleted, duplicated). Whatever the bytes, the
-gateway's decode path — `decode_forward_backward_request`, `loss_config`, `datums_from_proto`,
+gateway's decode path — `decode_forward_backward_request`, `datums_from_proto`,
 `check_loss` — either gives a request or refuses it with a `ValueError` (the decoder's
 `ProtoDecodeError`, naming the field) or a `TinkerError` (a 4xx); nothing else escapes (no
 IndexError, struct.error, UnicodeDecodeError, overflow, recursion). Unmutated bytes decode to
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto import request_conv
 
-from services.gateway import tinker_proto as tp
+from services.gateway import proto as tp
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import TinkerError
 from services.gateway.validation import Limits, check_loss, datums_from_proto
@@ -81,9 +81,8 @@ def mutated(draw: st.DrawFn) -> bytes:
 def gateway_decode(body: bytes) -> None:
     """What POST /api/v1/forward_backward does with a protobuf body before appending it."""
     request = tp.decode_forward_backward_request(body)
-    config = tp.loss_config(request)
     datums = datums_from_proto(request.data, LIMITS)
-    check_loss(request.loss_fn, config, datums)
+    check_loss(request.loss_fn, request.config, datums)
 
 
 @FUZZ

@@ -27,8 +27,7 @@ from libs.contracts.requests import (
     OptimStep,
 )
 from libs.contracts.sampling import SequenceRecord
-from services.gateway import quotas, stability
-from services.gateway import tinker_proto as tp
+from services.gateway import proto, quotas, stability
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
 from services.gateway.context import Gateway
@@ -158,7 +157,7 @@ async def get_info(data: w.GetInfoRequest, gateway: Gateway, tenant: Tenant) -> 
     )
 
 
-Spans = list[tp.ProvenanceSpan]
+Spans = proto.Spans
 
 
 @dataclass(frozen=True)
@@ -226,8 +225,7 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
     check_body_size(len(body), limits(gateway), json=not is_proto)
     if is_proto:
         try:
-            req = tp.decode_forward_backward_request(body)
-            config = tp.loss_config(req)
+            req = proto.decode_forward_backward_request(body)
         except ValueError as exc:
             raise BadRequest(f"invalid ForwardBackwardRequest: {exc}") from exc
 
@@ -235,9 +233,9 @@ async def forward_backward(request: Request, gateway: Gateway, tenant: Tenant) -
             model_id=req.model_id,
             seq_id=req.seq_id,
             loss_fn=req.loss_fn,
-            config=config,
+            config=req.config,
             forward_only=req.forward_only,
-            spans=[(d.model_input_spans, d.loss_fn_input_spans) for d in req.data],
+            spans=req.spans,
         )
         digest = fingerprint_bytes("forward_backward", body)
         return await _forward_backward(

@@ -42,8 +42,10 @@ from tinker.types.save_weights_for_sampler_response import (
 from tinker.types.try_again_response import TryAgainResponse as SdkTryAgain
 
 from services.gateway import admin_wire as aw
-from services.gateway import tinker_proto as tp
+from services.gateway import proto as tp
+from services.gateway import tinker_public_pb2 as pb
 from services.gateway import tinker_wire as tw
+from services.gateway.tests import proto_results as pr
 
 NOW = dt.datetime(2026, 11, 29, 10, 11, 12, 345000, tzinfo=dt.UTC)
 
@@ -785,7 +787,7 @@ def test_legacy_forward_backward_json_matches_the_protobuf_result() -> None:
     message = tp.forward_backward_output(outputs, {"loss:sum": 3.5})
     legacy = json.loads(msgspec.json.encode(tw.legacy_forward_backward_output(message)))
     assert set(legacy) == {"loss_fn_output_type", "loss_fn_outputs", "metrics"}
-    via_proto = response_conv.deserialize_forward_backward_output(tp.encode_forward_backward_output(message))
+    via_proto = response_conv.deserialize_forward_backward_output(message.SerializeToString())
     assert (
         legacy["loss_fn_output_type"] == via_proto.loss_fn_output_type
         and legacy["metrics"] == via_proto.metrics
@@ -800,19 +802,19 @@ def test_legacy_forward_backward_json_matches_the_protobuf_result() -> None:
 def test_legacy_sample_json_matches_the_protobuf_result() -> None:
     ids = np.array([[0, 0], [5, 6], [7, 0]], np.int32)
     lps = np.array([[-99999.0, -99999.0], [-0.5, -1.0], [-0.25, -99999.0]], np.float32)
-    response = tp.SampleResponse(
+    response = pb.SampleResponse(
         sequences=[
-            tp.sampled_sequence([1, 2], [-0.5, -0.25], "length"),
-            tp.sampled_sequence([3], None, "stop"),
+            pr.sampled_sequence([1, 2], [-0.5, -0.25], "length"),
+            pr.sampled_sequence([3], None, "stop"),
         ],
-        prompt_logprobs=tp.float32_bytes([math.nan, -1.5, -0.75]),
-        topk_prompt_logprobs=tp.topk_logprobs(ids, lps),
+        prompt_logprobs=pr.float32_bytes([math.nan, -1.5, -0.75]),
+        topk_prompt_logprobs=pr.topk_logprobs(ids, lps),
         prompt_cache_hit_tokens=1,
     )
     legacy_body = msgspec.json.encode(tw.legacy_sample_response(response))
     assert json.loads(legacy_body)["type"] == "sample"
     legacy = _Legacy024SampleResponse.model_validate_json(legacy_body)
-    sdk = response_conv.deserialize_sample_response(tp.encode_sample_response(response))
+    sdk = response_conv.deserialize_sample_response(response.SerializeToString())
     assert legacy.prompt_logprobs == sdk.prompt_logprobs == [None, -1.5, -0.75]
     assert (
         legacy.topk_prompt_logprobs
