@@ -3,7 +3,7 @@
 
     .venv/bin/python -m bench.chaos_soak [--quick] [--minutes 10] [--seed 0] [--out DIR]
 
-1. The reference: the seeded workload of the fault tests (`tests/faults/workload.py`: per tenant,
+1. The reference: the seeded workload of the fault tests (`tests/sdk.py`: per tenant,
    create, 4 x (forward_backward + optim_step), a save for sampling and a sample after step 1,
    save_state, close) once, with no fault, on a stack of its own.
 2. The soak, on another stack: rounds of the same workload back to back until the duration has
@@ -108,9 +108,10 @@ class Report:
 
 
 def reference_run(base: Path, tenants: int) -> dict[int, Any]:
+    from tests.faults.checks import exactly_once
     from tests.faults.conftest import FAULT_ENV
-    from tests.faults.workload import exactly_once, run_workload
     from tests.harness import Stack
+    from tests.sdk import run_workload
 
     stack = Stack(base / "reference", env_overrides=FAULT_ENV).start()
     try:
@@ -132,9 +133,10 @@ def soak(
     quick: bool = False,
 ) -> Report:
     """Rounds of the workload on a fresh stack under random kills for `minutes`; see the module docstring."""
+    from tests.faults.checks import exactly_once
     from tests.faults.conftest import FAULT_ENV
-    from tests.faults.workload import differences, exactly_once, run_workload
     from tests.harness import Stack
+    from tests.sdk import differences, run_workload
 
     rng = random.Random(seed)
     report = Report(minutes=minutes, tenants=tenants)

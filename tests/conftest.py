@@ -1,4 +1,4 @@
-"""Shared fixtures: a real nats-server per test, and a real Tinkerd stack per module.
+"""Shared fixtures: a real nats-server per test, and real Tinkerd stacks shared across modules.
 
 Tiers: a test that starts a whole stack is marked ``stack`` here, without a word in its module:
 it asks for the ``stack`` fixture (or the fault tests' ``reference`` run), or its module builds
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.natsd import NatsServer, start_nats
-from tests.harness import Stack
+from tests.harness import SharedStacks, Stack
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -52,12 +52,17 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The whole stack (nats-server, gateway, planner, trainer, publisher, sampler), one per module."""
-    data_dir: Path = tmp_path_factory.mktemp("stack")
-    running = Stack(data_dir).start()
+@pytest.fixture(scope="session")
+def shared_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStacks]:
+    stacks = SharedStacks(tmp_path_factory)
     try:
-        yield running
+        yield stacks
     finally:
-        running.stop()
+        stacks.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(shared_stacks: SharedStacks) -> Stack:
+    """The whole stack (nats-server, gateway, planner, trainer, publisher, sampler) with the default
+    settings, started once and shared by every module that asks for it."""
+    return shared_stacks.get()

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra.natsd import NatsCluster, NatsServer
 from infra.net import ANNOUNCED
@@ -32,6 +33,9 @@ from infra.supervisor import (
     service_of,
 )
 from tests.netutil import unused_port
+
+if TYPE_CHECKING:
+    import pytest
 
 MARKERS = {**READY_MARKERS, NATS: "nats-server ready on"}
 START_TIMEOUT_S = 240.0
@@ -247,6 +251,49 @@ class Stack:
 
     def dump_logs(self) -> str:
         return "\n".join(f"[{name}] {line}" for name, lines in self.logs.items() for line in lines[-60:])
+
+
+JWT_AUTH = {"TINKERD_GATEWAY_JWT_AUTH": "true"}
+"""The settings of the contract modules: JWT auth offered to SDKs."""
+
+
+class SharedStacks:
+    """Running stacks shared across modules, one per set of settings (`env_overrides`).
+
+    Tenants are isolated by design, so every module whose tests only need the default settings
+    uses one stack for the whole run, and modules that need the same other settings (the JWT
+    offer of the contract tests) share one of their own. Besides the default one, at most one is
+    up at a time: asking for other settings stops it (modules of one group sit side by side).
+    """
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._default: Stack | None = None
+        self._other: tuple[frozenset[tuple[str, str]], Stack] | None = None
+
+    def get(self, env: dict[str, str] | None = None) -> Stack:
+        if not env:
+            if self._default is None:
+                self._default = Stack(self._factory.mktemp("stack")).start()
+            return self._default
+        key = frozenset(env.items())
+        if self._other is not None and self._other[0] == key:
+            return self._other[1]
+        self._stop_other()
+        running = Stack(self._factory.mktemp("shared"), env_overrides=dict(env)).start()
+        self._other = (key, running)
+        return running
+
+    def _stop_other(self) -> None:
+        if self._other is not None:
+            self._other[1].stop()
+            self._other = None
+
+    def stop(self) -> None:
+        self._stop_other()
+        if self._default is not None:
+            self._default.stop()
+            self._default = None
 
 
 def groups_live_listener(groups: tuple[str, ...]) -> tuple[dict[str, threading.Event], Callable[[str, str], None]]:

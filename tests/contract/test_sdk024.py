@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import tinker
 
-from tests.harness import Stack
+from tests.harness import JWT_AUTH, SharedStacks, Stack
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = Path(__file__).with_name("sdk024_client.py")
@@ -25,14 +24,9 @@ KEY = "tml-sdk024"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(
-        tmp_path_factory.mktemp("sdk024"), env_overrides={"TINKERD_GATEWAY_JWT_AUTH": "true"}
-    ).start()
-    try:
-        yield running
-    finally:
-        running.stop()
+def stack(shared_stacks: SharedStacks) -> Stack:
+    """The whole stack, with JWT auth offered to SDKs (shared with the other contract module that offers it)."""
+    return shared_stacks.get(JWT_AUTH)
 
 
 def sdk024_python() -> str:

@@ -36,7 +36,7 @@ from tinker import types
 from tinker.lib.api_future_impl import QueueState
 
 from tests.contract.surface import Recorder
-from tests.harness import Stack
+from tests.harness import JWT_AUTH, SharedStacks, Stack
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -59,15 +59,9 @@ S = SimpleNamespace()
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The whole stack, with JWT auth offered to SDKs."""
-    running = Stack(
-        tmp_path_factory.mktemp("contract"), env_overrides={"TINKERD_GATEWAY_JWT_AUTH": "true"}
-    ).start()
-    try:
-        yield running
-    finally:
-        running.stop()
+def stack(shared_stacks: SharedStacks) -> Stack:
+    """The whole stack, with JWT auth offered to SDKs (shared with the other contract module that offers it)."""
+    return shared_stacks.get(JWT_AUTH)
 
 
 @pytest.fixture(scope="module", autouse=True)

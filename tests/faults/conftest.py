@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.workload import REFERENCE_TENANTS, TenantRun, exactly_once, run_workload
+from tests.faults.checks import exactly_once
 from tests.harness import Stack
+from tests.sdk import REFERENCE_TENANTS, TenantRun, run_workload
 
 DEDUPE_WINDOW_S = 1.5
 FAULT_ENV = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos_soak import TENANTS, soak, summary
-from tests.faults.workload import TenantRun
+from tests.sdk import TenantRun
 
 
 def test_chaos_soak_quick(tmp_path: Path, reference: dict[int, TenantRun]) -> None:

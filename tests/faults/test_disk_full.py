@@ -15,8 +15,8 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.faults.workload import checkpoint_digests, datum
 from tests.harness import Stack
+from tests.sdk import checkpoint_digests, tenant_datum
 
 # save 1 writes hits 1-3 in each (adapter, optimizer, state.json); save 2 fails at the trainer's
 # 4th write (its first file); save 3 passes the trainer (writes 5-7) and fails at the publisher's
@@ -32,7 +32,7 @@ def test_a_full_disk_during_a_checkpoint_write(tmp_path: Path) -> None:
             trainer = client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7)
 
             def step(n: int) -> None:
-                trainer.forward_backward([datum(9, n, 0)], "cross_entropy").result()
+                trainer.forward_backward([tenant_datum(9, n, 0)], "cross_entropy").result()
                 trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
             step(0)

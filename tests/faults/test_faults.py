@@ -25,9 +25,10 @@ import pytest
 
 from infra.supervisor import NATS
 from libs.faults import fired
+from tests.faults.checks import EventTrigger, exactly_once
 from tests.faults.conftest import FAULT_ENV
-from tests.faults.workload import EventTrigger, TenantRun, differences, exactly_once, run_workload
 from tests.harness import Stack
+from tests.sdk import TenantRun, differences, run_workload
 
 READY_S = 240.0
 

@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults.workload import exactly_once
+from tests.faults.checks import exactly_once
 from tests.harness import READY_MARKERS, Stack
+from tests.sdk import json_datum
 
 pytestmark = pytest.mark.slow  # a fault test: a stack of its own, kills and restarts
 
@@ -79,14 +80,7 @@ class Failover:
 
 
 def datum(step: int) -> dict[str, Any]:
-    tokens = [(step * 53 + 7 * i) % VOCAB for i in range(9)]
-    return {
-        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-        "loss_fn_inputs": {
-            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
-            "weights": {"data": [1.0] * 8, "dtype": "float32"},
-        },
-    }
+    return json_datum([(step * 53 + 7 * i) % VOCAB for i in range(9)])
 
 
 def train(client: Failover) -> list[Any]:

@@ -2,7 +2,7 @@
 
 The stack runs on a 3-node cluster (`Stack(nats_nodes=3)`): every stream, bucket and the object
 store has 3 replicas, and every service is given all three URLs. First the seeded SDK workload
-(tests/faults/workload.py) runs with no fault: the reference. Then the same workload runs again
+(tests/sdk.py) runs with no fault: the reference. Then the same workload runs again
 and, at its 4th accepted request, the node leading the requests stream (the log every training
 command is appended to) is killed with SIGKILL and kept down: the cluster elects new leaders
 on the other two nodes, clients connected to the dead node reconnect to a live one, and the run
@@ -19,9 +19,10 @@ import pytest
 
 from infra.bus import Bus
 from libs.contracts import subjects as s
+from tests.faults.checks import EventTrigger, exactly_once
 from tests.faults.conftest import FAULT_ENV
-from tests.faults.workload import EventTrigger, differences, exactly_once, run_workload
 from tests.harness import Stack
+from tests.sdk import differences, run_workload
 
 pytestmark = pytest.mark.slow  # a fault test: a 3-node cluster, its elections take minutes
 

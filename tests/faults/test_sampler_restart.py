@@ -31,8 +31,8 @@ from infra.bus import Bus
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.records import QueueRecord
-from tests.faults.workload import datum
 from tests.harness import Stack
+from tests.sdk import tenant_datum
 
 TENANTS = 3
 STEPS = 4
@@ -59,7 +59,7 @@ def rl_loop(base_url: str, label: str, run: LoopRun) -> None:
             base_model="tiny-qwen3", rank=4, seed=100 + run.tenant
         ).result()
         for step in range(STEPS):
-            batch = [datum(run.tenant, step, 0), datum(run.tenant, step, 1)]
+            batch = [tenant_datum(run.tenant, step, 0), tenant_datum(run.tenant, step, 1)]
             trainer.forward_backward(batch, "cross_entropy").result()
             trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             if (step + 1) % SAVE_EVERY:

@@ -19,8 +19,9 @@ import tinker
 from tinker import types
 
 from libs.faults import fired, release
-from tests.faults.workload import checkpoint_digests, datum, exactly_once
+from tests.faults.checks import exactly_once
 from tests.harness import Stack
+from tests.sdk import checkpoint_digests, tenant_datum
 
 HOLD = "trainer.checkpoint_write@1:hold"  # the first file the trainer writes: tenant a's first save
 WAIT_S = 120.0
@@ -42,7 +43,7 @@ def held_stack(tmp_path: Path) -> Stack:
 
 
 def train(trainer: tinker.TrainingClient, tenant: int, step: int) -> None:
-    trainer.forward_backward([datum(tenant, step, 0)], "cross_entropy").result()
+    trainer.forward_backward([tenant_datum(tenant, step, 0)], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
 

@@ -16,18 +16,11 @@ from libs.checkpoints import layout
 from tests.harness import Stack
 from tests.hf_reference import HFReference
 from tests.numerics import assert_within
+from tests.sdk import seeded_datum
 
 
 def datum(step: int) -> types.Datum:
-    rng = np.random.default_rng(step)
-    tokens = rng.integers(4, 2000, size=16).tolist()
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-            "weights": types.TensorData.from_numpy(np.ones(15, dtype=np.float32)),
-        },
-    )
+    return seeded_datum(step, 16)
 
 
 def train(training: tinker.TrainingClient, steps: range) -> None:

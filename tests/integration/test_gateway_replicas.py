@@ -23,8 +23,9 @@ from tinker import types
 
 from infra.bus import Bus, kv_scan
 from libs.contracts import subjects as s
-from tests.faults.workload import exactly_once
+from tests.faults.checks import exactly_once
 from tests.harness import Stack
+from tests.sdk import json_datum
 
 VOCAB = 2048  # tiny-qwen3
 
@@ -60,14 +61,7 @@ class Replicas:
 
 
 def datum(seed: int) -> dict[str, Any]:
-    tokens = [(seed * 37 + 11 * i) % VOCAB for i in range(9)]
-    return {
-        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-        "loss_fn_inputs": {
-            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
-            "weights": {"data": [1.0] * 8, "dtype": "float32"},
-        },
-    }
+    return json_datum([(seed * 37 + 11 * i) % VOCAB for i in range(9)])
 
 
 def fb_body(model_id: str, seq: int, seed: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from libs.contracts.records import ModelQueueRecord
 from libs.contracts.work import AdoptSlot, BarrierUnit, Unit, WorkUnit
 from libs.faults import fired
 from services.trainer.state import snapshots
-from tests.faults.workload import exactly_once
+from tests.faults.checks import exactly_once
 from tests.harness import Stack, groups_live_listener
 from tests.integration.test_training_semantics import BASE, Reference, batch, logprobs
 from tests.numerics import assert_within

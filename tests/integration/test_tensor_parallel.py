@@ -29,6 +29,7 @@ from libs.checkpoints import layout
 from libs.faults import fired
 from tests.harness import Stack
 from tests.numerics import ChainShape, assert_within, gamma
+from tests.sdk import seeded_datum
 
 LR = 1e-2
 # eps = 1 keeps each Adam update a smooth function of its gradient (see
@@ -62,14 +63,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def datum(step: int) -> types.Datum:
-    tokens = np.random.default_rng(step).integers(4, 2000, size=TOKENS).tolist()
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-            "weights": types.TensorData.from_numpy(np.ones(TOKENS - 1, dtype=np.float32)),
-        },
-    )
+    return seeded_datum(step, TOKENS)
 
 
 def group_pids(stack: Stack) -> list[int]:

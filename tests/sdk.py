@@ -1,39 +1,33 @@
-"""The seeded multi-tenant SDK workload the fault tests and the chaos soak run, and their checks.
+"""The SDK-level test workload: datums, and the seeded multi-tenant workload of the fault tests.
 
-Every tenant is a thread with its own SDK client. A tenant's calls and data depend only on its
-index (LoRA seed, datums, learning rate), never on time, model ids or the other tenants, so the
-same workload on two separate stacks must give the same results bit for bit (CPU fp32; packing
-tenants together does not change a tenant's numbers: docs/semantics.md §3). That is the
-independent reference: the fault-free run of the same workload on a stack of its own.
+Datums: `datum` (next-token cross-entropy on given tokens), `seeded_datum` (random tokens from a
+seed), `json_datum` (the same as an HTTP body) and `tenant_datum` (the workload's own).
 
-What a run records per tenant: a digest of every call's result in call order (forward_backward
-losses and logprobs, optim_step metrics, sampled tokens) and the digests of its final checkpoint
-(adapter, AdamW moments, step). `exactly_once` reads the streams of the faulted stack back: no
-result appended twice (the results stream replaces a subject's message, so a second append shows
-as a gap between its last sequence and its message count), no unit planned twice, no unit with two
-outcomes (a unit the trainer ran twice live).
+The workload: every tenant is a thread with its own SDK client. A tenant's calls and data depend
+only on its index (LoRA seed, datums, learning rate), never on time, model ids or the other
+tenants, so the same workload on two separate stacks must give the same results bit for bit (CPU
+fp32; packing tenants together does not change a tenant's numbers: docs/semantics.md §3). That is
+the independent reference: the fault-free run of the same workload on a stack of its own. What a
+run records per tenant: a digest of every call's result in call order (forward_backward losses
+and logprobs, optim_step metrics, sampled tokens) and the digests of its final checkpoint
+(adapter, AdamW moments, step); `differences` compares two runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tinker
 from safetensors.numpy import load_file
 from tinker import types
-
-from infra.bus import Bus, replay
-from libs.contracts import codec
-from libs.contracts import subjects as s
 
 TENANTS = 3  # in each fault scenario
 REFERENCE_TENANTS = 4  # in the reference run (the chaos soak runs 4; tenants are independent)
@@ -48,16 +42,36 @@ def _result(value):  # type: ignore[no-untyped-def]
     return value.result(timeout=STALL_S) if hasattr(value, "result") else value
 
 
-def datum(tenant: int, step: int, index: int) -> types.Datum:
-    rng = np.random.default_rng(1000 * tenant + 10 * step + index)
-    tokens = rng.integers(4, 2000, size=12).tolist()
+def datum(tokens: list[int]) -> types.Datum:
+    """Next-token cross-entropy on `tokens`: input all but the last, targets all but the first, weight 1."""
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-            "weights": types.TensorData.from_numpy(np.ones(11, dtype=np.float32)),
+            "weights": types.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32)),
         },
     )
+
+
+def seeded_datum(seed: int, size: int) -> types.Datum:
+    """`datum` of `size` tokens drawn from [4, 2000) by a generator seeded with `seed`."""
+    return datum(np.random.default_rng(seed).integers(4, 2000, size=size).tolist())
+
+
+def json_datum(tokens: list[int]) -> dict[str, Any]:
+    """`datum` as the JSON body of the HTTP API (for raw-HTTP tests)."""
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
+            "weights": {"data": [1.0] * (len(tokens) - 1), "dtype": "float32"},
+        },
+    }
+
+
+def tenant_datum(tenant: int, step: int, index: int) -> types.Datum:
+    """The workload's `index`-th datum of `tenant` at `step` (12 tokens; a function of the three only)."""
+    return seeded_datum(1000 * tenant + 10 * step + index, 12)
 
 
 def _digest(*parts: bytes) -> str:
@@ -121,7 +135,7 @@ def run_tenant(base_url: str, data_dir: Path, run: TenantRun, key: str = "fault"
         for step in range(STEPS):
             started = time.monotonic()
             current = f"fb {step}"
-            fb = trainer.forward_backward([datum(t, step, 0), datum(t, step, 1)], "cross_entropy")
+            fb = trainer.forward_backward([tenant_datum(t, step, 0), tenant_datum(t, step, 1)], "cross_entropy")
             opt = trainer.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
             run.record("fb", fb_digest(fb.result(timeout=STALL_S)), started)
             current = f"optim {step}"
@@ -203,103 +217,3 @@ def checkpoint_digests(data_dir: Path, tinker_path: str) -> dict[str, str]:
         for key, value in load_file(str(directory / file)).items():
             out[f"{file}:{key}"] = hashlib.sha256(value.tobytes()).hexdigest()
     return out
-
-
-@dataclass
-class ExactlyOnce:
-    """What the streams of a run say was applied twice (every field must be 0)."""
-
-    results_replaced: int  # a request's result appended again (results keep one per subject)
-    units_planned_twice: int  # a unit id appended to the work stream more than once
-    units_with_two_outcomes: int  # a unit the trainer ran (and reported) twice
-    examples: dict[str, list[int]] = field(default_factory=dict)  # "stream unit_id" -> sequences
-
-    @property
-    def clean(self) -> bool:
-        return not (self.results_replaced or self.units_planned_twice or self.units_with_two_outcomes)
-
-
-async def _exactly_once(nats_url: str, injected: set[tuple[str, int]]) -> ExactlyOnce:
-    bus = await Bus.connect(nats_url, "fault-check")
-    try:
-        results = await bus.js.stream_info(s.STREAM_RESULTS)
-        counts: dict[str, Counter[str]] = {s.STREAM_WORK: Counter(), s.STREAM_OUTCOMES: Counter()}
-        where: dict[str, list[int]] = {}
-        for stream, subject in ((s.STREAM_WORK, s.WORK_ALL), (s.STREAM_OUTCOMES, s.OUTCOMES_ALL)):
-            info = await bus.js.stream_info(stream)
-
-            def count(msg, stream: str = stream) -> None:  # type: ignore[no-untyped-def]
-                if (stream, msg.metadata.sequence.stream) in injected:
-                    return  # a copy the test appended on purpose
-                decoder = codec.unit_decoder if stream == s.STREAM_WORK else codec.outcome_decoder
-                unit_id = decoder.decode(msg.data).unit_id
-                counts[stream][unit_id] += 1
-                where.setdefault(f"{stream} {unit_id}", []).append(msg.metadata.sequence.stream)
-
-            await replay(bus, stream, subject, info.state.last_seq, count)
-        twice = {name: sum(1 for n in c.values() if n > 1) for name, c in counts.items()}
-        return ExactlyOnce(
-            results_replaced=results.state.last_seq - results.state.messages,
-            units_planned_twice=twice[s.STREAM_WORK],
-            units_with_two_outcomes=twice[s.STREAM_OUTCOMES],
-            examples={key: seqs for key, seqs in where.items() if len(seqs) > 1},
-        )
-    finally:
-        await bus.close()
-
-
-def exactly_once(nats_url: str, injected: set[tuple[str, int]] | None = None) -> ExactlyOnce:
-    return asyncio.run(_exactly_once(nats_url, injected or set()))
-
-
-@dataclass
-class EventTrigger:
-    """Calls `action` once, from a background thread, when the n-th event of `kind` is seen."""
-
-    nats_url: str
-    kind: str
-    n: int
-    action: Callable[[], None]
-    fired: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    counts: Counter[str] = field(default_factory=Counter)
-    error: BaseException | None = None
-    _thread: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> EventTrigger:
-        subscribed = threading.Event()
-
-        async def main() -> None:
-            bus = await Bus.connect(self.nats_url, "fault-trigger")
-
-            async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
-                kind = msg.subject.split(".")[2]
-                self.counts[kind] += 1
-                if kind == self.kind and self.counts[kind] == self.n:
-                    threading.Thread(target=self._fire, daemon=True).start()
-
-            await bus.nc.subscribe(s.EVENTS_ALL, cb=on_event)
-            await bus.nc.flush()
-            subscribed.set()
-            await asyncio.get_running_loop().run_in_executor(None, self._stop.wait)
-            await bus.close()
-
-        self._thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-        self._thread.start()
-        subscribed.wait(30)
-        return self
-
-    def _fire(self) -> None:
-        self.fired.set()
-        try:
-            self.action()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=10)
