@@ -20,7 +20,8 @@ from pathlib import Path
 
 from infra.natsd import NatsCluster, NatsServer
 from infra.net import ANNOUNCED
-from infra.supervisor import (
+from tests.netutil import unused_port
+from tinkerd.supervisor import (
     NATS,
     READY_MARKERS,
     SERVICES,
@@ -31,7 +32,6 @@ from infra.supervisor import (
     run_dir_of,
     service_of,
 )
-from tests.netutil import unused_port
 
 MARKERS = {**READY_MARKERS, NATS: "nats-server ready on"}
 START_TIMEOUT_S = 240.0

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.supervisor import NATS
 from libs.faults import fired
 from tests.faults.conftest import FAULT_ENV
 from tests.faults.workload import EventTrigger, TenantRun, differences, exactly_once, run_workload
 from tests.harness import Stack
+from tinkerd.supervisor import NATS
 
 READY_S = 240.0
 
