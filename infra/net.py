@@ -26,7 +26,7 @@ import msgspec
 
 BIND_FAILED_EXIT = 78
 """A service's exit code when it cannot bind its address (`EX_CONFIG`): the supervisor does not
-restart it on the same address forever (infra/supervisor.py)."""
+restart it on the same address forever (tinkerd/supervisor.py)."""
 BIND_FAILED_PREFIX = "cannot bind "
 SERVING = "serving on "
 """The log line an HTTP service prints once its socket accepts requests: `<name> serving on URL`."""

@@ -28,7 +28,7 @@ LIVENESS_EVERY_S = 2.0
 
 async def _show_liveness(path: Path) -> None:
     """Touch the supervisor's liveness file while this event loop runs (a frozen or deadlocked
-    process stops touching it, and the supervisor restarts it: infra/supervisor.py)."""
+    process stops touching it, and the supervisor restarts it: tinkerd/supervisor.py)."""
     while True:
         with contextlib.suppress(OSError):
             path.touch()

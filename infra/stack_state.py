@@ -1,6 +1,6 @@
 """The supervisor's view of its stack: each child's state, written to one file others read.
 
-`tinkerd up` (infra/supervisor.py) rewrites `DATA/run/stack.json` atomically whenever a child
+`tinkerd up` (tinkerd/supervisor.py) rewrites `DATA/run/stack.json` atomically whenever a child
 changes state; the gateway's healthz and `tinkerd status` read it (its path reaches every child
 as `TINKERD_STACK_STATE_FILE`). States:
 
@@ -72,3 +72,9 @@ def describe(name: str, service: ServiceState) -> str:
     if service.address:
         line += f" at {service.address}"
     return f"{line}: {service.detail}" if service.detail else line
+
+
+def service_of(child: str) -> str:
+    """The service a child runs: `gateway-1` (a second gateway replica) runs `gateway`, and
+    `trainer@a` (the trainer of group `a`) runs `trainer`."""
+    return child.partition("@")[0].split("-", 1)[0]

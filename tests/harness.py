@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from infra.natsd import NatsCluster, NatsServer
 from infra.net import ANNOUNCED
-from infra.supervisor import (
+from tests.netutil import unused_port
+from tinkerd.supervisor import (
     NATS,
     READY_MARKERS,
     SERVICES,
@@ -32,7 +33,6 @@ from infra.supervisor import (
     run_dir_of,
     service_of,
 )
-from tests.netutil import unused_port
 
 if TYPE_CHECKING:
     import pytest

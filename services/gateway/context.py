@@ -1,31 +1,26 @@
 """The gateway's process-wide context: config, bus, projections, and the served base model.
 
-Built once by the app's lifespan and handed to handlers through dependency injection.
+Built once by the app's lifespan (`app.py`, the composition root) and handed to handlers through
+dependency injection. A leaf: it names the parts it holds, never the loops that use it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import secrets
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import httpx
-from litestar import Litestar, Request
+from litestar import Request
 from prometheus_client import CollectorRegistry
 
 from infra.bus import Bus
-from infra.stack_state import state_file_from_env
-from infra.streams import ensure_streams
 from libs.contracts import subjects as s
 from libs.contracts.records import SessionRecord, SigningSecret
 from libs.contracts.results import RequestResult
-from libs.models.hf_cache import install_tokenizer
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
 from services.gateway.admission import Admission
 from services.gateway.auth import KeyRing, Tenant
@@ -165,75 +160,6 @@ def model_names(model: ResolvedModel) -> tuple[str, ...]:
     first, then its alias and its directory."""
     alias = SHORT_NAMES.get(model.name)
     return (model.name, *([alias] if alias else []), str(model.path))
-
-
-def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
-    @asynccontextmanager
-    async def run(app: Litestar) -> AsyncIterator[None]:
-        data_dir = Path(config.data_dir).expanduser().resolve()
-        model = resolve_base_model(config.base_model, data_dir)
-        extra_models = [
-            resolve_base_model(name.strip(), data_dir) for name in config.extra_base_models.split(",") if name.strip()
-        ]
-        for served in [model, *extra_models] if config.cache_tokenizer else []:
-            if served.name in SHORT_NAMES:
-                try:
-                    install_tokenizer(served.path, [served.name, SHORT_NAMES[served.name]])
-                except OSError as exc:  # a read-only cache costs get_tokenizer() only
-                    log.warning("could not cache the tokenizer of %s: %s", served.name, exc)
-        bus = await Bus.connect(config.nats_url, "gateway")
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=256)
-        )
-        state_file = state_file_from_env(os.environ)
-
-        def pool_of(urls: list[str], served: ResolvedModel) -> EnginePool:
-            return EnginePool(
-                client, urls, config.max_loaded_adapters, data_dir, model_names(served), state_file=state_file
-            )
-
-        engines = pool_of(config.engines(), model)
-        extra_pools: dict[str, EnginePool] = {}
-        try:
-            await ensure_streams(bus.js)
-            board = FutureBoard(bus)
-            await board.start()
-            keys = KeyRing(Path(config.keys_file) if config.keys_file else None)
-            gateway = Gateway(config, bus, Store(bus), board, keys, model, Admission(config), engines)
-            gateway.extra_models = extra_models
-            for base, urls in engine_urls_by_base(config, model, gateway.served).items():
-                extra_pools[base] = pool_of(urls, gateway.model_named(base))
-            gateway.extra_pools = extra_pools
-            board.listeners.append(gateway.on_result)  # after the replay: live results only
-            if config.signing_secret:
-                gateway.signing_secret = config.signing_secret.encode()
-            else:
-                gateway.signing_secret = await shared_signing_secret(gateway.store, gateway.signing_secret)
-            from services.gateway.sample_runner import SampleRunner  # it needs Gateway from here
-            from services.gateway.session_lifecycle import SessionLifecycle
-
-            runner = SampleRunner(gateway)
-            await runner.start()
-            lifecycle = SessionLifecycle(gateway)
-            await lifecycle.start()
-            gateway.sessions = lifecycle
-            app.state.gateway = gateway
-            names = ", ".join(m.name for m in gateway.models)
-            log.info("gateway ready (base model %s)", names)
-            yield
-        finally:
-            if "runner" in locals():
-                await runner.close()
-            if "gateway" in locals() and gateway.sessions is not None:
-                await gateway.sessions.close()
-            if hasattr(app.state, "gateway"):
-                await app.state.gateway.board.stop()
-            for pool in [engines, *extra_pools.values()]:
-                await pool.close()
-            await client.aclose()
-            await bus.close()
-
-    return run
 
 
 def gateway_of(request: Request) -> Gateway:  # type: ignore[type-arg]

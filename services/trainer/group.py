@@ -80,9 +80,9 @@ def launch(tp: int, argv: list[str] | None = None) -> int:
 
     Args:
         tp: the number of ranks (the tensor-parallel size).
-        argv: the command each rank runs (default: ``python -m infra.cli serve trainer``).
+        argv: the command each rank runs (default: ``python -m tinkerd.cli serve trainer``).
     """
-    command = argv or [sys.executable, "-m", "infra.cli", "serve", "trainer"]
+    command = argv or [sys.executable, "-m", "tinkerd.cli", "serve", "trainer"]
     with tempfile.TemporaryDirectory(prefix="tinkerd-group-") as private:
         return _launch(tp, command, str(Path(private) / "store"))
 

@@ -28,7 +28,7 @@ import tinker
 from litestar.testing import AsyncTestClient
 from tinker import types
 
-from infra.watch import collect_status
+from infra.status import collect_status
 from services.gateway.app import create_app
 from services.gateway.auth import digest
 from services.gateway.config import GatewayConfig

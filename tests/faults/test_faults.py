@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.supervisor import NATS
 from libs.faults import fired
 from tests.faults.checks import EventTrigger, exactly_once
 from tests.faults.conftest import FAULT_ENV
 from tests.harness import Stack
 from tests.sdk import TenantRun, differences, run_workload
+from tinkerd.supervisor import NATS
 
 READY_S = 240.0
 

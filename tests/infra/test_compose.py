@@ -22,7 +22,6 @@ import msgspec
 import pytest
 import yaml
 
-from infra.supervisor import SERVICES
 from services.gateway.auth import check_bind
 from services.gateway.config import GatewayConfig
 from services.gateway.config import load_config as gateway_config
@@ -33,6 +32,7 @@ from services.publisher.config import load_config as publisher_config
 from services.sampler.config import SamplerConfig
 from services.trainer.config import TrainerConfig
 from services.trainer.config import load_config as trainer_config
+from tinkerd.supervisor import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -285,7 +285,7 @@ def test_dockerfile_entrypoint_is_the_tinkerd_console_script() -> None:
     entrypoint = json.loads(entrypoints[0])
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert entrypoint == ["tinkerd"], f"ENTRYPOINT must be the tinkerd console script, got {entrypoint}"
-    assert project["scripts"]["tinkerd"] == "infra.cli:main"
+    assert project["scripts"]["tinkerd"] == "tinkerd.cli:main"
     assert "gpu" in project["optional-dependencies"], "the image installs the `gpu` extra"
     assert '".[gpu]"' in text, "the image installs the project with its `gpu` extra"
     data_dir = env_assignments(ENV_EXAMPLE)["TINKERD_DATA_DIR"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.supervisor import expand_services, service_of
+from tinkerd.supervisor import expand_services, service_of
 
 
 def test_each_configured_group_is_one_trainer_child_with_its_group_and_base_model() -> None:
@@ -62,7 +62,7 @@ def test_each_extra_base_model_gets_a_sampler_child_the_gateway_is_told_about(tm
 def test_an_alias_of_a_served_base_gets_no_sampler_of_its_own() -> None:
     """An extra base spelled as an alias of the primary (or of another extra) is the same base:
     no second sampler for it, so the gateway never sees an engine entry naming the primary."""
-    from infra.supervisor import sampler_bases
+    from tinkerd.supervisor import sampler_bases
 
     env = {"TINKERD_GATEWAY_EXTRA_BASE_MODELS": "tinkerd/tiny-qwen3,tiny-qwen3-narrow,tinkerd/tiny-qwen3-narrow"}
     assert sampler_bases(env) == ["tiny-qwen3-narrow"]

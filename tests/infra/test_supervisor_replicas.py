@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from infra.cli import parser
-from infra.supervisor import SERVICES, Supervisor, service_of, with_gateway_replicas
+from tinkerd.cli import parser
+from tinkerd.supervisor import SERVICES, Supervisor, service_of, with_gateway_replicas
 
 
 def test_gateway_replicas_are_children_on_consecutive_ports_running_the_gateway() -> None:

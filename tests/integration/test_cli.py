@@ -12,7 +12,7 @@ import httpx
 
 from tests.harness import Stack
 
-TINKERD = [sys.executable, "-m", "infra.cli"]
+TINKERD = [sys.executable, "-m", "tinkerd.cli"]
 
 
 def digests(directory: Path) -> dict[str, str]:

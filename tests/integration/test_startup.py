@@ -20,7 +20,7 @@ from tests.faults.test_sampler_restart import Watcher
 from tests.harness import Stack
 from tests.netutil import churn_ports
 
-TINKERD = [sys.executable, "-m", "infra.cli"]
+TINKERD = [sys.executable, "-m", "tinkerd.cli"]
 GREEDY = types.SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = types.ModelInput.from_ints([5, 6, 7])
 

@@ -186,7 +186,7 @@ def test_tp2_group_matches_an_independent_tp1_run(stack: Stack) -> None:
         assert len(sampled) == 1 and len(sampled[0]) == 4
 
 
-TINKERD = [sys.executable, "-m", "infra.cli"]
+TINKERD = [sys.executable, "-m", "tinkerd.cli"]
 
 
 @pytest.mark.parametrize(
@@ -206,11 +206,11 @@ def test_a_bad_tp_flag_stops_the_command_naming_it(argv: list[str], message: str
 
 def test_up_passes_its_tp_to_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     """`tinkerd up --tp 2` starts the stack with TINKERD_TRAINER_TP=2 for the trainer it supervises."""
-    import infra.supervisor
-    from infra.cli import parser
+    import tinkerd.supervisor
+    from tinkerd.cli import parser
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(infra.supervisor, "up", lambda **kwargs: seen.update(kwargs) or 0)
+    monkeypatch.setattr(tinkerd.supervisor, "up", lambda **kwargs: seen.update(kwargs) or 0)
     args = parser().parse_args(["up", "--tp", "2"])
     assert args.func(args) == 0
     assert seen["extra_env"] == {"TINKERD_TRAINER_TP": "2"}

@@ -9,8 +9,7 @@ import uuid
 import msgspec
 from litestar import Request, Response, get, post
 
-from infra.stack_state import UP, describe, read_state, state_file_from_env
-from infra.supervisor import service_of
+from infra.stack_state import UP, describe, read_state, service_of, state_file_from_env
 from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns

@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from infra.bus import last_seq
-from infra.watch import status_of
+from infra.status import status_of
 from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.events import (

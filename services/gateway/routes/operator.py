@@ -12,7 +12,7 @@ import msgspec
 from litestar import Request, Response, get
 
 from infra.stack_state import read_state, state_file_from_env
-from infra.watch import status_of
+from infra.status import status_of
 from services.gateway import metrics
 from services.gateway.context import Gateway
 

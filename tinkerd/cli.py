@@ -21,7 +21,7 @@ def _nats_url(args: argparse.Namespace) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from infra.supervisor import SERVICES, up
+    from tinkerd.supervisor import SERVICES, up
 
     services = tuple(args.services.split(",")) if args.services else SERVICES
     unknown = set(services) - set(SERVICES)
@@ -42,7 +42,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from infra.supervisor import SERVICES
+    from tinkerd.supervisor import SERVICES
 
     if args.service not in SERVICES:
         raise SystemExit(f"unknown service {args.service!r}; choose from {SERVICES}")
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from infra.watch import watch_events
+    from tinkerd.watch import watch_events
 
     try:
         asyncio.run(watch_events(_nats_url(args), replay=args.replay, subject=args.subject))
@@ -67,8 +67,8 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from infra.stack_state import STATE_FILE
-    from infra.supervisor import run_dir_of
-    from infra.watch import print_status
+    from tinkerd.supervisor import run_dir_of
+    from tinkerd.watch import print_status
 
     state_file = run_dir_of(Path(args.data_dir).expanduser().resolve()) / STATE_FILE
     asyncio.run(print_status(_nats_url(args), state_file))

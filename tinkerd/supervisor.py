@@ -36,15 +36,10 @@ from infra import stack_state as st
 from infra.config import DEFAULT_DATA_DIR
 from infra.natsd import NatsServer, start_nats
 from infra.net import ANNOUNCED, BIND_FAILED_EXIT, BIND_FAILED_PREFIX, BindError, read_announcement
+from infra.stack_state import service_of
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
-
-
-def service_of(child: str) -> str:
-    """The service a child runs: `gateway-1` (a second gateway replica) runs `gateway`, and
-    `trainer@a` (the trainer of group `a`) runs `trainer`."""
-    return child.partition("@")[0].split("-", 1)[0]
 
 
 def gateway_names(replicas: int) -> tuple[str, ...]:
@@ -362,7 +357,7 @@ class Supervisor:
             sys.stdout.flush()
 
     def start(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "infra.cli", "serve", service_of(child.name)]
+        cmd = [sys.executable, "-m", "tinkerd.cli", "serve", service_of(child.name)]
         if child.liveness is not None:
             child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
         if child.announce is not None:
