@@ -403,14 +403,11 @@ def stepped_pool(model_shape: Any, slots: int, rank: int, device: str = "cpu") -
     from services.trainer.lora import AdapterPool
 
     with torch.device(device):
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the compute copies: the model's dtype
-        pool = AdapterPool(model_shape, slots, rank, device=device, dtype=dtype)
+        pool = AdapterPool(model_shape, slots, rank, device=device)
     with torch.no_grad():
         for p in pool.parameters():
             p.normal_(0.0, 0.01)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(torch.randn_like(p) * 1e-3)  # in place: the pool's own gradient buffer
+            p.grad = torch.randn_like(p) * 1e-3
     for s in range(slots):
         pool.routing.configs[s] = LoraConfig(rank=rank, seed=s)
     return pool

@@ -356,18 +356,13 @@ class Bench:
         backend = "sdpa_per_document"
         if self.cuda:
             usable = [b for b in ("varlen_flash", "flex_attention") if b in self.usable_backends]
-            if "attention" not in self.args.sections.split(","):
-                usable = ["varlen_flash"]  # not checked in this run: the engine's CUDA default
             backend = usable[0] if usable else backend
         self.peak_reset()
         engine = self.build_engine(backend, num_slots=8)
         self.results.put("engine", "build_peak_gib", self.peak_gib())
-        # The main rows take the engine's default loss path (on CUDA: the one measured faster per
-        # workload, LossPathChooser, where the engine has one; --cpu forces the fused one); rows
-        # labelled "<backend> fused-ce" / "unfused-ce" force the chunked fused linear
-        # cross-entropy (services/trainer/fused_ce.py) or the output layer + megatron's
-        # vocab-parallel cross-entropy on a few workloads.
-        default_ce = engine.fused_ce if self.cuda else True
+        # The chunked fused linear cross-entropy (services/trainer/fused_ce.py): the CUDA default,
+        # forced on here for --cpu too; rows labelled "<backend> unfused-ce" re-run the main
+        # backend through the output layer + megatron's vocab-parallel cross-entropy.
         engine.fused_ce = True
         for slot in range(8):
             engine.init_slot(slot, LoraConfig(rank=LORA_RANK, seed=slot))
@@ -381,12 +376,10 @@ class Bench:
                 engine.discard_grads(slot)
         except Exception:
             fused_ok = False
-            default_ce = False
+            engine.fused_ce = False
             self.results.error("engine/fused_ce", traceback.format_exc())
             self.log("!! fused cross-entropy failed; measuring the unfused path", traceback.format_exc())
-        engine.fused_ce = default_ce
         self.results.put("engine", "fused_ce", fused_ok)
-        self.results.put("engine", "default_ce", str(default_ce))
 
         def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
             n = self.doc_len(doc_len)
@@ -411,19 +404,12 @@ class Bench:
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        chooser = getattr(engine, "loss_paths", None)
-        if chooser is not None:
-            choices = {f"{k[0]} tokens, lm_head adapter {k[1]}": v for k, v in chooser.choice.items()}
-            samples = {f"{k[0]}/{k[1]}": v for k, v in chooser.samples.items()}
-            self.log("loss path choices (fused?)", choices, samples)
-            self.results.put("engine", "loss_path_choices", {"fused": choices, "samples_s": samples})
-        for forced in (True, False) if fused_ok else ():
-            engine.fused_ce = forced
-            for name in [w for w in self.args.ce_workloads.split(",") if w]:
-                if self.time_left() < 200:
-                    continue
-                run(*by_name[name], label=f"{backend} {'fused-ce' if forced else 'unfused-ce'}")
-        engine.fused_ce = default_ce
+        engine.fused_ce = False
+        for name in UNFUSED_CE_WORKLOADS if fused_ok else []:
+            if self.time_left() < 200:
+                continue
+            run(*by_name[name], label=f"{backend} unfused-ce")
+        engine.fused_ce = fused_ok
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -432,7 +418,6 @@ class Bench:
                 attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
 
         others = [b for b in ("sdpa_per_document", "flex_attention") if b != backend] if self.cuda else []
-        others = [b for b in others if b in self.args.backends.split(",")]
         for other in others:
             swap(other)
             for name in BACKEND_WORKLOADS:
@@ -585,12 +570,8 @@ class Bench:
         optimizer = SlotAdamW()
         hp = AdamParams(learning_rate=1e-5)
 
-        refresh = getattr(pool, "refresh", None)  # the compute copies, where the pool keeps them
-
         def step(count: int) -> None:  # one call for all slots, as TrainerEngine.optim_step makes
             optimizer.step_many([(s, pool.slot_tensors(s), hp) for s in range(count)])
-            if refresh is not None:
-                refresh(range(count))
 
         step(slots)  # allocates the moments
         self.sync()
@@ -898,16 +879,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny model and lengths (CPU smoke test)")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is present")
     parser.add_argument("--sections", default="env,attention,engine,optimizer,hf,liger")
-    parser.add_argument(
-        "--backends",
-        default="sdpa_per_document,flex_attention",
-        help="other attention backends the engine section also runs (comma list; empty: none)",
-    )
-    parser.add_argument(
-        "--ce-workloads",
-        default=",".join(UNFUSED_CE_WORKLOADS),
-        help="workloads run again with the fused and with the unfused cross-entropy forced (comma list)",
-    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")

@@ -10,8 +10,7 @@ SPMD contract: with tensor parallelism every rank of the TP group makes the same
 same arguments in the same order (collectives run inside forward, backward, ``optim_step``,
 ``get_slot_state`` and ``export_peft``); every rank returns the same results.
 
-Invariant: gradients accumulate in each slot's tensors (the fp32 masters of ``lora.py``, whose
-compute copies the forward reads) across ``forward_backward`` calls and
+Invariant: gradients accumulate in each slot's tensors across ``forward_backward`` calls and
 leave only through that slot's ``optim_step``, ``discard_grads``, ``release_slot`` or
 ``set_slot_state``; nothing a call does to one slot changes another slot's weights, moments,
 step counter or gradients.
@@ -64,7 +63,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
-    fused_cross_entropy: bool | None = None  # None: the measured-faster path on CUDA, off on CPU
+    fused_cross_entropy: bool | None = None  # None: on for CUDA, off on CPU (see fused_ce.py)
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -74,57 +73,9 @@ def resolve_backend(name: str, device: str) -> str:
     return "varlen_flash" if device == "cuda" else "sdpa_per_document"
 
 
-def resolve_fused_ce(flag: bool | None, device: str) -> bool | None:
-    """`None` on CUDA stays `None`: each workload takes the path measured faster for it
-    (``LossPathChooser``); a CPU stays on the unfused path."""
-    if flag is not None:
-        return flag
-    return None if device == "cuda" else False
-
-
-class LossPathChooser:
-    """The fused or the unfused cross-entropy, per workload, by what is measured faster.
-
-    A workload is the packed length rounded up to a power of two and whether any segment has
-    an lm_head adapter. Its first four training calls alternate fused, unfused, fused, unfused,
-    timed with CUDA events from the model's forward to the end of backward (read after the
-    call's own host sync, so timing adds none); the first of each is a warm-up. Every later call
-    of that workload takes the faster. Where the unfused path's logits (about 10 bytes per token
-    and vocabulary entry: bf16 logits, fp32 softmax and gradient) would not fit in half the free
-    device memory, the fused path is taken without a trial. With tensor parallelism the engine
-    takes the fused path without trials (each rank's timings and free memory differ, and every
-    rank must take the same path). Both paths compute the same log-probabilities within bf16
-    rounding (test_fused_ce.py)."""
-
-    TRIALS = (True, False, True, False)
-
-    def __init__(self) -> None:
-        self.samples: dict[tuple[int, bool], list[tuple[bool, float]]] = {}
-        self.choice: dict[tuple[int, bool], bool] = {}
-
-    @staticmethod
-    def key(tokens: int, unembed: bool) -> tuple[int, bool]:
-        return 1 << max(0, tokens - 1).bit_length(), unembed
-
-    def pick(self, key: tuple[int, bool], training: bool, unfused_bytes: int, device: torch.device) -> tuple[bool, bool]:
-        """(fused, time this call)."""
-        if key in self.choice:
-            return self.choice[key], False
-        free, _ = torch.cuda.mem_get_info(device)
-        spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if unfused_bytes > (free + spare) // 2:
-            return True, False
-        if not training:
-            return True, False
-        done = self.samples.setdefault(key, [])
-        return self.TRIALS[len(done)], True
-
-    def record(self, key: tuple[int, bool], fused: bool, seconds: float) -> None:
-        done = self.samples.setdefault(key, [])
-        done.append((fused, seconds))
-        if len(done) == len(self.TRIALS):
-            timed = {f: t for f, t in done[2:]}  # the second call of each path
-            self.choice[key] = timed[True] <= timed[False]
+def resolve_fused_ce(flag: bool | None, device: str) -> bool:
+    """`None` turns the fused linear cross-entropy on for CUDA and leaves a CPU on the unfused path."""
+    return flag if flag is not None else device == "cuda"
 
 
 @dataclass(frozen=True)
@@ -150,7 +101,7 @@ class TrainerEngine:
             device=config.device,
             attention_backend=resolve_backend(config.attention_backend, config.device),
         )
-        self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device, dtype=dtype)
+        self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device)
         self.pool.attach(self.model)
         # Many tenants in one batch: stacked LoRA kernels on a GPU (launches dominate), one
         # adapter per segment on a CPU (FLOPs dominate). Both give the same result.
@@ -159,12 +110,9 @@ class TrainerEngine:
         self._pending: set[int] = set()
         # One-column targets: log-probabilities from the hidden states by the chunked fused
         # linear cross-entropy (no [T, vocab] logits), or megatron's output layer + vocab-parallel
-        # cross-entropy. Equal within rounding; the CPU default keeps the unfused path, None (the
-        # CUDA default) takes the one measured faster per workload.
-        self.fused_ce: bool | None = resolve_fused_ce(config.fused_cross_entropy, config.device)
-        self.loss_paths = LossPathChooser()
+        # cross-entropy. Equal within rounding; the CPU default keeps the unfused path.
+        self.fused_ce = resolve_fused_ce(config.fused_cross_entropy, config.device)
         self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
-        self.fused_ce_ahead: bool | None = None  # d logits made in forward; None: memory allowing
         # slot -> a token that changes whenever anything of the slot's state may change (weights,
         # moments, step, gradients, pending): unique across engines, so a snapshot can tell that
         # a slot still holds exactly what an earlier snapshot recorded (``state_versions``)
@@ -230,16 +178,13 @@ class TrainerEngine:
         # Top-K targets: pack with the first column as labels, then score all K from the logits.
         packed = [_first_column(d) for d in datums] if top_k else datums
         batch = pack(packed, self.device)
-        fused, timing = self._loss_path(batch, datums, forward_only, top_k)
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_mode, self._routed(batch):
-            if timing is not None:
-                timing[1].record()
             if top_k:
                 logits = self.model(
                     batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
                 )[0]  # [T, vocab / tp]
-            elif fused:
+            elif self.fused_ce:
                 lp_all = self._fused_logprobs(batch)  # [T]
             else:
                 token_loss = self.model(
@@ -276,45 +221,20 @@ class TrainerEngine:
             if not forward_only:
                 torch.stack(losses).sum().backward()
                 self._pending.update(d.slot for d in datums)
-            if timing is not None:
-                timing[2].record()
         outputs: list[DatumOutput | None] = [None] * len(datums)
         for j, index in enumerate(batch.order):
             lp_np = lps[j].detach().cpu().numpy().astype(np.float32)
             outputs[index] = DatumOutput(lp_np, float(losses[j].detach()), metrics.get(index, {}))
-        if timing is not None:  # complete: the copies above waited for the whole step
-            self.loss_paths.record(timing[0], bool(fused), timing[1].elapsed_time(timing[2]) / 1e3)
         return [o for o in outputs if o is not None]
-
-    def _loss_path(
-        self, batch: PackedBatch, datums: list[DatumInput], forward_only: bool, top_k: bool
-    ) -> tuple[bool, tuple[tuple[int, bool], Any, Any] | None]:
-        """Whether this call takes the fused cross-entropy, and (key, start, end events) when
-        the call is one of ``LossPathChooser``'s timed trials."""
-        if top_k or self.fused_ce is not None:
-            return bool(self.fused_ce), None
-        if self.tp_size > 1:  # every rank must take the same path: no per-rank timings or memory
-            return True, None
-        tokens = int(batch.input_ids.shape[-1])
-        unembed = any(self.pool.configs[d.slot].trains("unembed") for d in datums)
-        key = self.loss_paths.key(tokens, unembed)
-        unfused_bytes = tokens * self.shape.vocab_size // self.tp_size * 10
-        fused, timed = self.loss_paths.pick(key, not forward_only, unfused_bytes, self.device)
-        if not timed:
-            return fused, None
-        return fused, (key, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
         for slot in sorted(params):
             self._require_slot(slot)
         self._touch(params)
-        try:
-            reports = self.optimizer.step_many(
-                [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
-            )
-        finally:
-            self.pool.refresh(params)  # the compute copies follow the stepped masters
+        reports = self.optimizer.step_many(
+            [(slot, self.pool.slot_tensors(slot), params[slot]) for slot in sorted(params)]
+        )
         self._pending.difference_update(params)
         return reports
 
@@ -359,10 +279,7 @@ class TrainerEngine:
 
     def set_slot_state(self, slot: int, state: SlotState, with_optimizer: bool) -> None:
         self._touch([slot])
-        try:
-            slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
-        finally:
-            self.pool.refresh([slot])
+        slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)
 
     def export_peft(
@@ -398,9 +315,7 @@ class TrainerEngine:
             )  # [T, 1, H]
         finally:
             self.model.post_process = True
-        return lm_head_logprobs(
-            self.model, self.pool, hidden, batch.labels[0], self.fused_ce_chunk, self.fused_ce_ahead
-        )
+        return lm_head_logprobs(self.model, self.pool, hidden, batch.labels[0], self.fused_ce_chunk)
 
     @contextlib.contextmanager
     def _routed(self, batch: PackedBatch) -> Any:

@@ -8,18 +8,13 @@ unembedding, its lm_head LoRA (``u = h A_s^T`` and ``B_s`` already scaled by ``a
     lp[t]       = logit[t, y_t] - logsumexp_v logit[t, v]
 
 The tokens are cut into pieces, each inside one segment and at most ``chunk`` tokens long; a
-piece's logits ``[t, V/tp]`` live only while that piece is processed.  The backward needs
+piece's logits ``[t, V/tp]`` live only while that piece is processed.  Forward keeps the
+log-sum-exp per token (fp32) and recomputes each piece's logits in backward, where
 
     d logit[t, v] = g_t * (1[v = y_t] - exp(logit[t, v] - lse_t))
 
-for ``dh = dlogit W``, ``du = dlogit B_s`` and ``dB_s = dlogit^T u`` (summed over the slot's
-pieces); the frozen ``W`` gets no gradient.  With one TP rank, in a training call, the forward
-makes ``(1[v = y_t] - p)`` from the same fp32 exponentials as the log-sum-exp ("ahead"): a piece
-without an lm_head adapter, whose gradient is only ``dh_t = g_t * ((1[y_t] - p_t) W)``, turns
-it into that ``[t, H]`` product at once, and a piece with one keeps it (``[t, V/tp]`` in the
-compute dtype, memory allowing: ``choose_mode``) for ``dB_s``, which needs the probabilities.
-Otherwise the forward keeps only the log-sum-exp per token (fp32) and the backward recomputes
-each piece's logits.  Logits are computed in the activation dtype (bf16 on
+gives ``dh = dlogit W``, ``du = dlogit B_s`` and ``dB_s = dlogit^T u`` (summed over the slot's
+pieces); the frozen ``W`` gets no gradient.  Logits are computed in the activation dtype (bf16 on
 GPU, as the output layer computes them), the exponentials and log-sum-exp in fp32.
 
 Tensor parallelism: each rank holds ``V/tp`` vocabulary rows.  A piece's local log-sum-exp and
@@ -106,7 +101,6 @@ class FusedLinearLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         plan: list[Piece],
-        mode: str,
         num_lora: int,
         *lora: torch.Tensor,
     ) -> torch.Tensor:
@@ -118,52 +112,30 @@ class FusedLinearLogprobs(torch.autograd.Function):
         index = local.clamp(0, shard - 1)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         picked = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        # mode "ahead" (one TP rank): each piece's d logit / g, (onehot - p) in the compute
-        # dtype, is made here from the same fp32 exponentials as the log-sum-exp; a piece
-        # without an lm_head adapter turns it into dh / g at once ([t, H]), one with an adapter
-        # keeps it ([t, Vl]) for dB. Mode "recompute": backward recomputes the logits.
-        ahead = mode == "ahead"
-        dh_unit = torch.zeros_like(h) if ahead and any(p.lora < 0 for p in plan) else None
-        kept: list[torch.Tensor | None] = []
         for piece in plan:
             logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
             sl = slice(piece.start, piece.end)
+            lse[sl] = torch.logsumexp(logits.float(), dim=-1)
             got = logits.gather(-1, index[sl, None])[:, 0].float()  # [t]
             picked[sl] = torch.where(inside[sl], got, torch.zeros((), dtype=got.dtype, device=got.device))
-            if not ahead:
-                lse[sl] = torch.logsumexp(logits.float(), dim=-1)
-                continue
-            probs = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
-            del logits
-            lse[sl] = torch.logsumexp(probs, dim=-1)
-            probs.sub_(lse[sl, None]).exp_().neg_()  # -p
-            probs.scatter_add_(-1, index[sl, None], inside[sl, None].to(probs.dtype))  # onehot - p
-            unit = probs.to(h.dtype)
-            del probs
-            if piece.lora < 0:
-                assert dh_unit is not None
-                dh_unit[sl] = unit @ weight  # [t, H]
-                kept.append(None)
-            else:
-                kept.append(unit)
         if tp_size() > 1:
             group = _tp_group()
             parts = [torch.empty_like(lse) for _ in range(tp_size())]
             dist.all_gather(parts, lse, group=group)
             lse = torch.logsumexp(torch.stack(parts), dim=0)  # [T]
             dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-        ctx.plan, ctx.num_lora, ctx.kept = plan, num_lora, kept
-        ctx.save_for_backward(h, weight, targets, lse, dh_unit, *lora)
+        ctx.plan, ctx.num_lora = plan, num_lora
+        ctx.save_for_backward(h, weight, targets, lse, *lora)
         return picked - lse  # [T]
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        h, weight, targets, lse, dh_unit, *lora = ctx.saved_tensors
+        h, weight, targets, lse, *lora = ctx.saved_tensors
         num_lora = ctx.num_lora
         us, bs = tuple(lora[:num_lora]), tuple(lora[num_lora:])
         need_h = ctx.needs_input_grad[0]
-        need_u = [ctx.needs_input_grad[6 + i] for i in range(num_lora)]
-        need_b = [ctx.needs_input_grad[6 + num_lora + i] for i in range(num_lora)]
+        need_u = [ctx.needs_input_grad[5 + i] for i in range(num_lora)]
+        need_b = [ctx.needs_input_grad[5 + num_lora + i] for i in range(num_lora)]
         shard = weight.shape[0]
         local = targets - tp_rank() * shard
         inside = (local >= 0) & (local < shard)
@@ -175,27 +147,16 @@ class FusedLinearLogprobs(torch.autograd.Function):
             torch.zeros_like(b, dtype=torch.float32) if need else None
             for b, need in zip(bs, need_b, strict=True)
         ]
-        for i, piece in enumerate(ctx.plan):
+        for piece in ctx.plan:
             sl = slice(piece.start, piece.end)
-            unit = ctx.kept[i] if ctx.kept else None
-            if ctx.kept and piece.lora < 0:  # dh / g made in forward: nothing else to compute
-                if dh is not None:
-                    torch.mul(dh_unit[sl], g[sl, None], out=dh[sl])
-                continue
-            if unit is not None:
-                grad_c = torch.empty_like(unit)
-                torch.mul(unit, g[sl, None], out=grad_c)  # [t, Vl]: one rounding of the product
-                ctx.kept[i] = None
-                del unit
-            else:
-                logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
-                grad = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
-                del logits
-                grad.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])  # -g * softmax
-                hit = torch.where(inside[sl], g[sl], torch.zeros((), dtype=g.dtype, device=g.device))
-                grad.scatter_add_(-1, index[sl, None], hit[:, None])
-                grad_c = grad.to(h.dtype)  # [t, Vl]
-                del grad
+            logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
+            grad = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
+            del logits
+            grad.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])  # -g * softmax
+            hit = torch.where(inside[sl], g[sl], torch.zeros((), dtype=g.dtype, device=g.device))
+            grad.scatter_add_(-1, index[sl, None], hit[:, None])
+            grad_c = grad.to(h.dtype)  # [t, Vl]
+            del grad
             if dh is not None:
                 dh[sl] = grad_c @ weight
             j = piece.lora
@@ -206,25 +167,7 @@ class FusedLinearLogprobs(torch.autograd.Function):
                 if db[j] is not None:
                     db[j] += (grad_c.t() @ us[j][rows]).float()  # type: ignore[operator]
         grads_b = [None if d is None else d.to(b.dtype) for d, b in zip(db, bs, strict=True)]
-        return (dh, None, None, None, None, None, *du, *grads_b)
-
-
-def choose_mode(
-    h: torch.Tensor, plan: list[Piece], local_vocab: int, ahead: bool | None
-) -> str:
-    """``ahead`` (see ``FusedLinearLogprobs.forward``) or ``recompute``. ``ahead`` needs one TP
-    rank (the probabilities need the global log-sum-exp) and a training call; ``None`` takes it
-    when the kept pieces (those with an lm_head adapter, ``[t, V/tp]`` each in the compute
-    dtype) fit in half the device's free memory."""
-    if ahead is False or tp_size() > 1 or not (torch.is_grad_enabled() and h.requires_grad):
-        return "recompute"
-    if ahead is None and h.device.type == "cuda":
-        need = sum(p.end - p.start for p in plan if p.lora >= 0) * local_vocab * h.element_size()
-        free, _ = torch.cuda.mem_get_info(h.device)
-        spare = torch.cuda.memory_reserved(h.device) - torch.cuda.memory_allocated(h.device)
-        if need > (free + spare) // 2:
-            return "recompute"
-    return "ahead"
+        return (dh, None, None, None, None, *du, *grads_b)
 
 
 def fused_target_logprobs(
@@ -235,7 +178,6 @@ def fused_target_logprobs(
     us: list[torch.Tensor],
     bs: list[torch.Tensor],
     chunk: int | None = None,
-    ahead: bool | None = None,
 ) -> torch.Tensor:
     """``log p(targets[t])`` for every packed token, differentiable in ``h``, ``us`` and ``bs``.
 
@@ -247,25 +189,17 @@ def fused_target_logprobs(
         us: per LoRA entry, ``[end - start, r]``: the rows of the one segment that names it.
         bs: per LoRA entry, ``[V/tp, r]``, already scaled, in the compute dtype.
         chunk: tokens per piece (default ``chunk_tokens(V/tp)``).
-        ahead: make the backward's d logits in forward (True), recompute them in backward
-            (False), or ``None``: ahead where ``choose_mode`` finds the memory.
 
     Returns:
         [T] fp32 log-probabilities.
     """
     plan = pieces(segments, chunk or chunk_tokens(weight.shape[0]))
-    mode = choose_mode(h, plan, weight.shape[0], ahead)
-    out: torch.Tensor = FusedLinearLogprobs.apply(h, weight, targets, plan, mode, len(us), *us, *bs)
+    out: torch.Tensor = FusedLinearLogprobs.apply(h, weight, targets, plan, len(us), *us, *bs)
     return out
 
 
 def lm_head_logprobs(
-    model: Any,
-    pool: Any,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    chunk: int | None = None,
-    ahead: bool | None = None,
+    model: Any, pool: Any, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
 ) -> torch.Tensor:
     """Target log-probabilities of the packed stream from the decoder's output ``hidden``.
 
@@ -274,12 +208,13 @@ def lm_head_logprobs(
         pool: the ``lora.AdapterPool`` whose ``routing.segments`` describe the stream.
         hidden: [T, 1, H] the final-norm hidden states (what the output layer would read).
         targets: [T] int64 target ids.
-        chunk, ahead: as ``fused_target_logprobs``.
 
     Returns:
         [T] fp32, as ``-token_loss`` of the unfused model would be (within rounding).
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from services.trainer.lora import lora_scaling
 
     weight = (
         model.shared_embedding_or_output_weight()
@@ -297,9 +232,10 @@ def lm_head_logprobs(
         if not config.trains("unembed"):
             segments.append((seg.start, seg.end, -1))
             continue
-        a, b = adapter.plain_weights(seg.slot, rows.dtype)  # [w, H], [V/tp, w]: compute copies, B scaled
-        us.append(copy_to_tensor_model_parallel_region(rows[seg.start : seg.end] @ a.t()))  # [t, w]
-        bs.append(b)
+        rank = config.rank
+        a = adapter._a(seg.slot, rank, rows.dtype)  # [r, H]
+        us.append(copy_to_tensor_model_parallel_region(rows[seg.start : seg.end] @ a.t()))  # [t, r]
+        bs.append(adapter._b(seg.slot, rank, lora_scaling(rank), rows.dtype))  # [V/tp, r]
         segments.append((seg.start, seg.end, len(us) - 1))
     h = copy_to_tensor_model_parallel_region(rows)  # dh of every vocabulary shard is summed
-    return fused_target_logprobs(h, weight, targets, segments, us, bs, chunk, ahead)
+    return fused_target_logprobs(h, weight, targets, segments, us, bs, chunk)

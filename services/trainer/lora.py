@@ -13,31 +13,18 @@ GQA group, see ``convert.fuse_qkv``) and its row of ``B`` multiplies that part's
 A slot of rank ``r`` therefore trains ``r * (in + out)`` parameters per HF projection, the
 count of ``tinker_cookbook.hyperparam_utils.get_lora_param_count``.  The forward keeps one GEMM
 per factor: ``h = x @ [A_q; A_k; A_v]^T`` (``[T, parts*r]``), then ``h @ B_bd^T`` with the
-block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere: constants
-that pass no gradient to ``B``, and whose products with the slot's own ``h`` add exactly
-nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
+block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere, selected with
+``torch.where``: constants that receive no gradient, and whose products with the slot's own
+``h`` add exactly nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
 separate ones on ``B``, for one kernel instead of ``parts``.
 
 Ranks above a slot's rank are masked out by slicing, so those rows stay exactly zero.
 ``alpha = LORA_ALPHA = 32`` is chosen by the server for every slot (clients pick only the
-rank), so ``scaling = 32 / rank``; it multiplies ``B`` in the adapters' own precision (fp32)
-before ``B`` is cast to the compute dtype, so a bf16 forward never rounds the scaling itself.
-A slot enables the attention modules (``train_attn``: qkv, proj), the MLP modules
-(``train_mlp``: fc1, fc2) and the unembedding (``train_unembed``: output_layer) independently.
-
-Compute copies: the fp32 ``lora_A``/``lora_B`` are the master values (the optimizer steps them
-and every gradient accumulates in their ``.grad``, in fp32). The forward reads persistent
-copies in the model's dtype instead: ``compute_A [slots+1, width, in]`` (every part's ``A``,
-part after part, ``r_max`` rows each) and ``compute_B [slots+1, out, width]``, the scaled
-block-diagonal ``B_bd`` (``width = parts*r_max`` rounded up to 16 bytes, the grouped kernel's
-alignment; the extra entry ``slots`` is all zero, the one a segment whose slot does not train
-the module uses). ``AdapterPool.refresh`` writes a slot's copies from its masters after every
-change of its values (slot init, clear and load, ``optim_step``); a direct in-place write to a
-master (it bumps the parameter's version counter) is caught before the next forward. The
-copies enter autograd as constants whose gradient (``_Attached``) is added straight into the
-master ``.grad`` rows of the slot and rank it belongs to (the diagonal blocks of ``B_bd``'s
-gradient, times the slot's scaling, in fp32): no per-step cast, no per-step block-diagonal
-build, no fp32 copy of an activation.
+rank), so ``scaling = 32 / rank``; on every path it multiplies ``B`` in the adapters' own
+precision (fp32) before ``B`` is cast to the compute dtype, so a bf16 forward never rounds the
+scaling itself.  A slot enables the attention modules (``train_attn``: qkv, proj), the MLP
+modules (``train_mlp``: fc1, fc2) and the unembedding (``train_unembed``: output_layer)
+independently.
 
 Tensor parallelism follows the base layer: for a column-parallel base (qkv, fc1, output) ``A``
 is replicated and ``B`` holds this rank's output rows, and the rank-r activation passes
@@ -70,9 +57,8 @@ contribute exactly nothing and receive no gradient.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,44 +154,25 @@ def row_parts(target: TargetSpec, shape: ModelShape) -> torch.Tensor | None:
     return shard(full, target.b_kind, tp_rank(), tp_size())
 
 
-class _Attached(torch.autograd.Function):
-    """``value`` (a compute copy: a constant) on the autograd graph, its gradient handed to
-    ``sink``, which adds it into the fp32 master gradients. ``anchor`` (a tensor that requires
-    grad, and never receives one) only puts the node on the graph."""
+def block_diagonal(b: torch.Tensor, part_mask: torch.Tensor | None) -> torch.Tensor:
+    """``B_bd [.., out, parts*r]`` from ``b [.., out, r]``: row ``o`` holds ``b[.., o, :]`` in the
+    columns of its part, zeros elsewhere (``part_mask [out, parts]`` is the one-hot of ``p(o)``).
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, anchor: torch.Tensor, value: torch.Tensor, sink: Callable[[torch.Tensor], None]
-    ) -> torch.Tensor:
-        ctx.sink = sink
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
-        ctx.sink(grad)
-        return None, None, None
-
-
-def _as(copy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A compute copy in ``dtype``: itself in the model's dtype (the engine's case), else a cast."""
-    return copy if copy.dtype == dtype else copy.to(dtype)
-
-
-def _master_grad(param: nn.Parameter) -> torch.Tensor:
-    """``param.grad``, allocated (zeros, fp32) on first use and kept: gradients accumulate there."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
+    ``torch.where`` selects, it never multiplies: the zeros are constants, the gradient of ``b``
+    is the selected entries of ``B_bd``'s gradient (exactly, whatever the others hold)."""
+    if part_mask is None:
+        return b
+    out, parts = part_mask.shape
+    picked = torch.where(part_mask.view(out, parts, 1), b.unsqueeze(-2), b.new_zeros(()))  # [.., out, parts, r]
+    return picked.flatten(-2)  # [.., out, parts*r]
 
 
 class SlotRouting:
     """Which slot each token of the current forward belongs to (set by the engine)."""
 
-    def __init__(self, num_slots: int = 0, max_rank: int = 0) -> None:
+    def __init__(self) -> None:
         self.segments: list[Segment] = []
         self.configs: dict[int, LoraConfig] = {}
-        self.num_slots = num_slots  # also the index of the compute copies' all-zero entry
-        self.max_rank = max_rank
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
@@ -220,26 +187,18 @@ class SlotRouting:
             self._groups, self._groups_for = {}, self.segments
         key = (group, x.device)
         if key not in self._groups:
-            entries = [
-                seg.slot if self.configs[seg.slot].trains(group) else self.num_slots for seg in self.segments
-            ]
-            active = [
-                (g, seg.slot, self.configs[seg.slot].rank)
-                for g, seg in enumerate(self.segments)
-                if self.configs[seg.slot].trains(group)
-            ]
-            first = entries[0]
-            consecutive = entries == list(range(first, first + len(entries)))
+            slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
+            weight = [
+                slots.index(seg.slot) if self.configs[seg.slot].trains(group) else len(slots)
+                for seg in self.segments
+            ]  # len(slots): the all-zero entry
             self._groups[key] = GroupLayout(
-                entries=torch.tensor(entries, device=x.device),
-                span=(first, first + len(entries)) if consecutive else None,
-                active=tuple(active),
-                active_groups=torch.tensor([g for g, _, _ in active], device=x.device),
-                active_slots=torch.tensor([s for _, s, _ in active], device=x.device),
-                active_scale=torch.tensor(
-                    [lora_scaling(r) for _, _, r in active], dtype=torch.float64, device=x.device
-                ).to(torch.float32),
-                full_rank=all(r == self.max_rank for _, _, r in active),
+                slots=torch.tensor(slots, device=x.device),
+                scale=torch.tensor(
+                    [lora_scaling(self.configs[s].rank) for s in slots], dtype=torch.float64, device=x.device
+                ),
+                rank=max(self.configs[s].rank for s in slots),
+                weight=torch.tensor(weight, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
             )
         return self._groups[key]
@@ -249,19 +208,15 @@ class SlotRouting:
 class GroupLayout:
     """The grouped-matmul layout of one forward for one module group.
 
-    Segment ``g`` of the packed stream ends at row ``offsets[g]`` and uses compute-copy entry
-    ``entries[g]``: its slot, or the all-zero entry for a slot that does not train the module.
-    ``active`` lists ``(group, slot, rank)`` of the segments that do (their slot's ``alpha/rank``
-    in ``active_scale``, fp32, the adapters' precision).
+    Segment ``g`` of the packed stream ends at row ``offsets[g]`` and uses stacked weight
+    ``weight[g]``: an index into ``slots`` (the slots that train this module, with their
+    ``alpha/rank`` in ``scale``), or ``len(slots)``, an all-zero entry, for a slot that does not.
     """
 
-    entries: torch.Tensor  # [G] int64
-    span: tuple[int, int] | None  # entries are exactly range(*span): a view, no gather
-    active: tuple[tuple[int, int, int], ...]
-    active_groups: torch.Tensor  # [G'] int64
-    active_slots: torch.Tensor  # [G'] int64
-    active_scale: torch.Tensor  # [G'] float32
-    full_rank: bool  # every active slot's rank is the pool's: whole rows, one index_add
+    slots: torch.Tensor  # [S] int64
+    scale: torch.Tensor  # [S] float64 (cast to the adapters' dtype where it multiplies B)
+    rank: int  # the largest rank among `slots`
+    weight: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
 
 
@@ -299,8 +254,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class SlotAdapter(nn.Module):
-    """The slot-indexed LoRA tensors of one adapted linear, their compute copies and the
-    forward-hook math."""
+    """The slot-indexed LoRA tensors of one adapted linear and its forward-hook math."""
 
     def __init__(
         self,
@@ -309,14 +263,11 @@ class SlotAdapter(nn.Module):
         num_slots: int,
         max_rank: int,
         routing: SlotRouting,
-        anchor: torch.Tensor,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.target = target
         self.routing = routing
-        self.anchor = anchor
         self.max_rank = max_rank
         self.parts = target.num_parts
         in_local = _local(target.in_features, target.a_kind, dim_is_split=True)
@@ -324,102 +275,27 @@ class SlotAdapter(nn.Module):
         # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
         self.lora_A = nn.Parameter(torch.zeros(num_slots, self.parts, max_rank, in_local, device=device))
         self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=device))
-        align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
-        self.width = -(-self.parts * max_rank // align) * align
-        self.compute_A: torch.Tensor
-        self.compute_B: torch.Tensor
-        self.register_buffer(
-            "compute_A", torch.zeros(num_slots + 1, self.width, in_local, device=device, dtype=dtype), persistent=False
-        )
-        self.register_buffer(
-            "compute_B", torch.zeros(num_slots + 1, out_local, self.width, device=device, dtype=dtype), persistent=False
-        )
-        self._synced = (self.lora_A._version, self.lora_B._version)
         parts = row_parts(target, shape)
         self.part_mask: torch.Tensor | None
-        self.diag_index: torch.Tensor | None
         if parts is None:
             self.part_mask = None
-            self.diag_index = None
-        else:  # [out, parts] one-hot of each local row's part; [out, r_max] its columns in B_bd
+        else:  # [out, parts] one-hot of each local row's part
             mask = parts.view(-1, 1) == torch.arange(self.parts).view(1, -1)
             self.register_buffer("part_mask", mask.to(device), persistent=False)
-            index = parts.view(-1, 1) * max_rank + torch.arange(max_rank).view(1, -1)
-            self.register_buffer("diag_index", index.to(device), persistent=False)
 
-    # ---- compute copies ----
+    def _a(self, slots: int | torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[parts*rank, in]`` (or ``[S, parts*rank, in]`` for a tensor of slots): every part's
+        first ``rank`` rows of ``A``, part after part."""
+        a = self.lora_A[slots, :, :rank] if isinstance(slots, int) else self.lora_A[:, :, :rank].index_select(0, slots)
+        return a.flatten(-3, -2).to(dtype)
 
-    def refresh(self, start: int, stop: int, scale: float) -> None:
-        """Write the compute copies of slots ``[start, stop)`` (all of one rank, whose scaling is
-        ``scale``) from their masters: ``A`` cast, ``scale * B`` placed on the block diagonal."""
-        with torch.no_grad():
-            a = self.lora_A.data[start:stop].flatten(1, 2)  # [n, parts*r_max, in]
-            self.compute_A[start:stop, : a.shape[1]].copy_(a)
-            b = (self.lora_B.data[start:stop] * scale).to(self.compute_B.dtype)  # [n, out, r_max]
-            if self.diag_index is None:
-                self.compute_B[start:stop, :, : self.max_rank].copy_(b)
-            else:
-                index = self.diag_index.expand(stop - start, *self.diag_index.shape)
-                self.compute_B[start:stop].scatter_(2, index, b)
-
-    def refresh_slots(self, slots: Iterable[int]) -> None:
-        """Bring the compute copies of ``slots`` up to date with their masters (a slot that is
-        not initialised gets zero copies); consecutive slots of one rank share the kernels."""
-        configs = self.routing.configs
-        for start, stop in _rank_runs(slots, configs):
-            if start in configs:
-                self.refresh(start, stop, lora_scaling(configs[start].rank))
-            else:
-                with torch.no_grad():
-                    self.compute_A[start:stop].zero_()
-                    self.compute_B[start:stop].zero_()
-
-    def ensure_synced(self) -> None:
-        """Refresh every slot's copies if a master was written in place since the last refresh
-        (the engine refreshes the slots it changes itself; this catches any other writer)."""
-        if (self.lora_A._version, self.lora_B._version) != self._synced:
-            self.refresh_slots(range(self.routing.num_slots))
-            self._synced = (self.lora_A._version, self.lora_B._version)
-
-    def _diagonal(self, grad_b: torch.Tensor) -> torch.Tensor:
-        """``[.., out, r_max]``: each row's own block of a ``B_bd`` gradient ``[.., out, width]``
-        (a gather: the other blocks' entries are never read)."""
-        if self.diag_index is None:
-            return grad_b[..., : self.max_rank]
-        return grad_b.gather(-1, self.diag_index.expand(*grad_b.shape[:-1], self.max_rank))
-
-    def _sink_a(self, slot: int, rank: int) -> Callable[[torch.Tensor], None]:
-        def sink(grad: torch.Tensor) -> None:  # [width, in]
-            rows = grad[: self.parts * self.max_rank].view(self.parts, self.max_rank, -1)[:, :rank]
-            _master_grad(self.lora_A)[slot, :, :rank].add_(rows)
-
-        return sink
-
-    def _sink_b(self, slot: int, rank: int) -> Callable[[torch.Tensor], None]:
-        scale = lora_scaling(rank)
-
-        def sink(grad: torch.Tensor) -> None:  # [out, width]
-            own = self._diagonal(grad)[:, :rank].float() * scale
-            _master_grad(self.lora_B)[slot, :, :rank].add_(own)
-
-        return sink
-
-    def plain_weights(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A [width, in], B_bd [out, width])`` of ``slot``, on the graph, in ``dtype`` (the
-        copies' own, the model's; another one is a cast of them)."""
-        self.ensure_synced()
-        rank = self.routing.configs[slot].rank
-        a = _Attached.apply(self.anchor, _as(self.compute_A[slot], dtype), self._sink_a(slot, rank))
-        b = _Attached.apply(self.anchor, _as(self.compute_B[slot], dtype), self._sink_b(slot, rank))
-        return a, b
-
-    def _exact(self, slot: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A [parts*rank, in], B_bd [out, parts*rank])``: the slot's own rank only."""
-        a, b = self.plain_weights(slot, dtype)
-        width = self.parts * self.max_rank
-        a = a[:width].view(self.parts, self.max_rank, -1)[:, :rank].reshape(self.parts * rank, -1)
-        b = b[:, :width].view(b.shape[0], self.parts, self.max_rank)[:, :, :rank].reshape(b.shape[0], -1)
-        return a, b
+    def _b(self, slots: int | torch.Tensor, rank: int, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``scale * B`` built in the adapter's precision, cast to ``dtype`` and made block
+        diagonal: ``[out, parts*rank]`` (or ``[S, out, parts*rank]``)."""
+        b = self.lora_B[slots, :, :rank] if isinstance(slots, int) else self.lora_B[:, :, :rank].index_select(0, slots)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(b.dtype).view(-1, 1, 1)
+        return block_diagonal((b * scale).to(dtype), self.part_mask)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
@@ -427,10 +303,9 @@ class SlotAdapter(nn.Module):
         One slot covering the whole batch takes a plain path. Several slots: with
         ``routing.stacked`` (the GPU default) one grouped matmul per projection whose groups are
         the segments (``torch._grouped_mm``): a fixed number of kernels however many tenants
-        share the batch, and exactly each slot's own products; otherwise (the CPU default, or
-        where grouped matmuls are not available) one small matmul per segment, at the slot's own
-        rank.  Either way a token only ever meets its own slot's tensors (see the module
-        docstring on isolation).
+        share the batch, and exactly each slot's own FLOPs; otherwise (the CPU default, or where
+        grouped matmuls are not available) one small matmul per segment.  Either way a token
+        only ever meets its own slot's tensors (see the module docstring on isolation).
         """
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
@@ -442,7 +317,6 @@ class SlotAdapter(nn.Module):
             if self.target.column_parallel
             else reduce_from_tensor_model_parallel_region
         )  # one collective per module and forward; every TP rank sees the same segments
-        self.ensure_synced()
         routing, group = self.routing, self.target.group
         active = [s for s in routing.segments if routing.configs[s.slot].trains(group)]
         if not active:
@@ -453,7 +327,9 @@ class SlotAdapter(nn.Module):
         # rounding) with and without autograd, so forward_only would differ from forward_backward.
         rows = x.reshape(x.shape[0], x.shape[-1])  # [T, in]
         if len(slots) == 1 and covered:
-            a, b = self.plain_weights(slots[0], rows.dtype)  # [width, in], [out, width]
+            rank = routing.configs[slots[0]].rank
+            a = self._a(slots[0], rank, x.dtype)  # [parts*r, in]
+            b = self._b(slots[0], rank, lora_scaling(rank), x.dtype)  # [out, parts*r]
             out = region(rows @ a.t()) @ b.t()  # [T, out]
         elif routing.stacked and grouped_mm_supported(x):
             out = self._grouped(rows, region)
@@ -462,52 +338,30 @@ class SlotAdapter(nn.Module):
         return out.unsqueeze(1)  # [T, 1, out]
 
     def _grouped(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Both factors as grouped matmuls over the segments (one kernel each), on the compute
-        copies at their full width (every slot's rows/columns past its rank are zero). Each
-        slot's ``alpha/rank`` is already in its ``B`` copy (finite weights times a finite
-        number), never on the activations, so nothing multiplies another slot's values."""
+        """Both factors as grouped matmuls over the segments (one kernel each).
+
+        Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
+        zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
+        kernel's alignment, on CPU as on CUDA; the padding is zeros). Each slot's ``alpha/rank`` scales its
+        ``B`` (finite weights times a finite number), never the activations, so nothing
+        multiplies another slot's values.
+        """
         layout = self.routing.group_layout(self.target.group, rows)
-        if layout.span is not None:
-            a_all = self.compute_A[layout.span[0] : layout.span[1]]  # [G, width, in]: a view
-            b_all = self.compute_B[layout.span[0] : layout.span[1]]  # [G, out, width]
-        else:
-            a_all = self.compute_A.index_select(0, layout.entries)
-            b_all = self.compute_B.index_select(0, layout.entries)
-        a_all, b_all = _as(a_all, rows.dtype), _as(b_all, rows.dtype)
-        a = _Attached.apply(self.anchor, a_all, functools.partial(self._grouped_sink_a, layout))
-        b = _Attached.apply(self.anchor, b_all, functools.partial(self._grouped_sink_b, layout))
-        h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, width]
+        r = layout.rank
+        a = self._a(layout.slots, r, rows.dtype)  # [S, parts*r, in]
+        b = self._b(layout.slots, r, layout.scale, rows.dtype)  # [S, out, parts*r]
+        pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
+        b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
+        a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, w, in]
+        b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, w]
+        h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
         return torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets)  # [T, out]
 
-    def _grouped_sink_a(self, layout: GroupLayout, grad: torch.Tensor) -> None:  # [G, width, in]
-        if not layout.active:
-            return
-        full = self.parts * self.max_rank
-        master = _master_grad(self.lora_A)
-        if layout.full_rank:
-            picked = grad.index_select(0, layout.active_groups)[:, :full].float()  # [G', parts*r_max, in]
-            master.view(master.shape[0], full, -1).index_add_(0, layout.active_slots, picked)
-            return
-        for g, slot, rank in layout.active:
-            rows = grad[g, :full].view(self.parts, self.max_rank, -1)[:, :rank]
-            master[slot, :, :rank].add_(rows)
-
-    def _grouped_sink_b(self, layout: GroupLayout, grad: torch.Tensor) -> None:  # [G, out, width]
-        if not layout.active:
-            return
-        master = _master_grad(self.lora_B)
-        own = self._diagonal(grad.index_select(0, layout.active_groups))  # [G', out, r_max]
-        if layout.full_rank:
-            scaled = own.float() * layout.active_scale.view(-1, 1, 1)
-            master.index_add_(0, layout.active_slots, scaled)
-            return
-        for i, (_, slot, rank) in enumerate(layout.active):
-            master[slot, :, :rank].add_(own[i, :, :rank].float() * lora_scaling(rank))
-
     def _per_segment(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Each slot's segment through its own adapter at its own rank: exact LoRA FLOPs, but
-        kernels per segment. The better trade on a CPU, where FLOPs cost more than launches
-        (docs/benchmarks.md).
+        """Each slot's segment through its own adapter: exact LoRA FLOPs, but kernels per segment.
+
+        The better trade on a CPU, where FLOPs cost more than launches (docs/benchmarks.md).
         """
         routing = self.routing
         rank_of = {
@@ -515,23 +369,16 @@ class SlotAdapter(nn.Module):
             for s in routing.segments
         }
         width = self.parts * max(rank_of.values())
-        weights = {slot: self._exact(slot, rank, rows.dtype) for slot, rank in rank_of.items() if rank}
         hidden = []
         for seg in routing.segments:
-            if not rank_of[seg.slot]:
-                hidden.append(rows.new_zeros(seg.end - seg.start, width))
-                continue
-            a = weights[seg.slot][0]  # [parts*rank, in]
+            a = self._a(seg.slot, rank_of[seg.slot], rows.dtype)  # [parts*rank, in]
             h_seg = rows[seg.start : seg.end] @ a.t()  # [t, parts*rank]
             hidden.append(torch.nn.functional.pad(h_seg, (0, width - a.shape[0])))  # [t, width]
         h = region(torch.cat(hidden, dim=0))  # [T, width]: one collective per module and forward
         out = []
         for seg in routing.segments:
             rank = rank_of[seg.slot]
-            if not rank:
-                out.append(rows.new_zeros(seg.end - seg.start, self.compute_B.shape[1]))
-                continue
-            b = weights[seg.slot][1]  # [out, parts*rank]
+            b = self._b(seg.slot, rank, lora_scaling(routing.configs[seg.slot].rank), rows.dtype)  # [out, parts*r]
             out.append(h[seg.start : seg.end, : self.parts * rank] @ b.t())  # [t, out]
         return torch.cat(out, dim=0)  # [T, out]
 
@@ -541,21 +388,6 @@ class SlotAdapter(nn.Module):
             return output
         base, bias = output
         return base + update.to(base.dtype), bias
-
-
-def _rank_runs(slots: Iterable[int], configs: dict[int, LoraConfig]) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each maximal run of consecutive ``slots`` that share their rank (or
-    are all uninitialised)."""
-    runs: list[tuple[int, int]] = []
-    key: Any = object()
-    for slot in sorted(set(slots)):
-        this = configs[slot].rank if slot in configs else None
-        if runs and runs[-1][1] == slot and this == key:
-            runs[-1] = (runs[-1][0], slot + 1)
-        else:
-            runs.append((slot, slot + 1))
-            key = this
-    return runs
 
 
 @dataclass(frozen=True)
@@ -577,39 +409,16 @@ class SlotTensor:
 class AdapterPool(nn.Module):
     """All slot adapters of one model, their routing, and each slot's configuration."""
 
-    def __init__(
-        self,
-        shape: ModelShape,
-        num_slots: int,
-        max_rank: int,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        """``dtype``: the model's compute dtype, that of the adapters' compute copies."""
+    def __init__(self, shape: ModelShape, num_slots: int, max_rank: int, device: str = "cpu") -> None:
         super().__init__()
         self.num_slots = num_slots
         self.max_rank = max_rank
-        self.routing = SlotRouting(num_slots, max_rank)
+        self.routing = SlotRouting()
         self.targets = adapter_targets(shape)
-        # puts the compute copies on the autograd graph (see _Attached); never gets a gradient
-        self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.adapters = nn.ModuleDict(
-            {
-                _key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, self.anchor, device, dtype)
-                for t in self.targets
-            }
+            {_key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, device) for t in self.targets}
         )
-        # Every master's gradient is a block of one flat fp32 buffer (zeros, allocated here, the
-        # memory the first backward used to allocate): the optimizer reduces the whole buffer in
-        # one kernel for every slot's gradient norm (optim._flat_chunks).
-        params = list(self.parameters())
-        flat = torch.zeros(sum(p.numel() for p in params), device=device)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
         self._handles: list[Any] = []
-        self._refresh_views: dict[tuple[int, int], tuple[Any, ...]] = {}  # see _run_views
         # slot -> (the config its tensors were listed for, the list): see slot_tensors
         self._slot_tensors: dict[int, tuple[LoraConfig, list[SlotTensor]]] = {}
 
@@ -649,54 +458,6 @@ class AdapterPool(nn.Module):
                     if config.trains(target.group):
                         a[slot, part, : config.rank] = shard(full, target.a_kind, tp_rank(), tp_size()).to(a.device)
         self.routing.configs[slot] = config
-        self.refresh([slot])
-
-    def refresh(self, slots: Iterable[int]) -> None:
-        """Write the compute copies of ``slots`` from their master values: after anything
-        changes them other than through the parameters themselves (``optim_step``, a load).
-
-        Per run of consecutive initialised slots of one rank, every adapter at once: one
-        multi-tensor copy for all ``A`` (cast), one multi-tensor product for all ``B`` by the
-        scaling (fp32), one multi-tensor copy for the unfused ``B``, and one cast and scatter
-        per fused ``B`` (its block diagonal); the same values as ``SlotAdapter.refresh``."""
-        configs = self.routing.configs
-        modules = [m for m in self.adapters.values() if isinstance(m, SlotAdapter)]
-        for start, stop in _rank_runs(slots, configs):
-            if start not in configs:
-                for module in modules:
-                    module.refresh_slots(range(start, stop))
-                continue
-            dst_a, src_a, src_b, dst_plain, plain, fused = self._run_views(modules, start, stop)
-            with torch.no_grad():
-                torch._foreach_copy_(dst_a, src_a)
-                scaled = torch._foreach_mul(src_b, lora_scaling(configs[start].rank))  # fp32
-                torch._foreach_copy_(dst_plain, [scaled[i] for i in plain])
-                for i, dst, index in fused:
-                    dst.scatter_(2, index, scaled[i].to(dst.dtype))
-        for module in modules:
-            module.ensure_synced()  # a write through the parameter itself, too
-
-    def _run_views(self, modules: list[SlotAdapter], start: int, stop: int) -> tuple[Any, ...]:
-        """The views ``refresh`` writes and reads for slots ``[start, stop)`` (kept: slicing a
-        few hundred parameters costs more host time than the copies themselves)."""
-        key = (start, stop)
-        if key not in self._refresh_views:
-            if len(self._refresh_views) > 64:
-                self._refresh_views.clear()
-            dst_a, src_a, src_b, dst_plain, plain, fused = [], [], [], [], [], []
-            for i, m in enumerate(modules):
-                a = m.lora_A.data[start:stop].flatten(1, 2)  # [n, parts*r_max, in]
-                src_a.append(a)
-                dst_a.append(m.compute_A[start:stop, : a.shape[1]])
-                src_b.append(m.lora_B.data[start:stop])  # [n, out, r_max]
-                if m.diag_index is None:
-                    plain.append(i)
-                    dst_plain.append(m.compute_B[start:stop, :, : m.max_rank])
-                else:
-                    index = m.diag_index.expand(stop - start, *m.diag_index.shape)
-                    fused.append((i, m.compute_B[start:stop], index))
-            self._refresh_views[key] = (dst_a, src_a, src_b, dst_plain, plain, fused)
-        return self._refresh_views[key]
 
     def clear_slot(self, slot: int) -> None:
         """Zero the slot's tensors and gradients and forget its config."""
@@ -708,8 +469,6 @@ class AdapterPool(nn.Module):
                     p.data[slot].zero_()
                     if p.grad is not None:
                         p.grad[slot].zero_()
-                module.compute_A[slot].zero_()
-                module.compute_B[slot].zero_()
         self.routing.configs.pop(slot, None)
 
     def slot_tensors(self, slot: int) -> list[SlotTensor]:

@@ -23,10 +23,8 @@ whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: 
 ``param[a:b]`` per parameter and run ``a..b-1`` of consecutive such slots in the group, instead of
 one per parameter and slot (``_Layout``; the kernel is elementwise, so each element gets the same
 bits; on the CPU only where every slot row is a multiple of 64 floats, see ``_CPU_ROW_ALIGN``).
-The norms stay per slot: for pooled slots one chunked row reduction per parameter and run, then
-one ``_foreach_norm`` over each slot's chunk norms (``_pooled_squares``), for any other slot one
-``_foreach_norm`` over its tensors; either way a slot's norm, clip coefficient and result never
-depend on which other slots share the call. The finiteness
+The norms stay per slot and tensor (one ``_foreach_norm`` over all of them), so a slot's norm,
+clip coefficient and result never depend on which other slots share the call. The finiteness
 check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
 ``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
 the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
@@ -111,8 +109,6 @@ class _Layout:
     epoch: int = -1
     poolable: bool = False  # every parameter has a gradient, and all of them and their moments are contiguous
     runs: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
-    flat: Any = None  # see _flat_chunks; valid while flat_known
-    flat_known: bool = False
 
 
 class SlotAdamW:
@@ -158,7 +154,6 @@ class SlotAdamW:
         ):
             layout.grads, layout.epoch = grads, layout.epoch + 1
             layout.runs.clear()
-            layout.flat, layout.flat_known = None, False
             layout.poolable = all(
                 g is not None and g.is_contiguous() and p.data.is_contiguous()
                 for p, g in zip(layout.params, grads, strict=True)
@@ -296,7 +291,7 @@ class SlotAdamW:
             self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
         ]
         measure = [f and b is None for f, b in zip(fused, known, strict=True)]
-        norms, measured = _norms_and_peaks(views, presents, measure, device, [r[0] for r in requests])
+        norms, measured = _norms_and_peaks(views, presents, measure, device)
         peaks = [b if b is not None else m for b, m in zip(known, measured, strict=True)]
         reports: dict[int, StepReport] = {}
         groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
@@ -511,27 +506,18 @@ def _fused_step_is_safe(
 
 
 def _norms_and_peaks(
-    views: list[_SlotViews],
-    presents: list[list[torch.Tensor]],
-    fused: list[bool],
-    device: torch.device,
-    slots: list[int],
+    views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
 ) -> tuple[list[float], list[tuple[float, float, float]]]:
-    """Each slot's gradient norm (fp64 accumulation; pooled rows as ``_pooled_squares``, any
-    other slot per tensor as ``_grad_norm``, its sums masked rather than indexed) and, for the
-    slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
+    """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel, its sums masked rather
+    than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
     maxima: an upper bound, equal on every rank) and read back with one host sync."""
-    pooled = _pooled_squares(views, presents, slots, device)
-    all_grads = [g for i, present in enumerate(presents) if i not in pooled for g in present]
+    all_grads = [g for present in presents for g in present]
     squares = _vector(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sharded_sums, replicated_sums = [], []
     offset = 0
-    for i, (v, present) in enumerate(zip(views, presents, strict=True)):
-        if i in pooled:
-            sharded_sums.append(pooled[i][0])
-            replicated_sums.append(pooled[i][1])
-        elif present:
+    for v, present in zip(views, presents, strict=True):
+        if present:
             assert squares is not None and v.sharded is not None
             part = squares[offset : offset + len(present)]  # masked sums: no host sync (no nonzero)
             sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
@@ -565,120 +551,6 @@ def _norms_and_peaks(
     rest = values[n:]
     out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]
     return norms, out_peaks
-
-
-# Pooled gradient norms: each parameter's rows of a run of slots are reduced in chunks of
-# ``_NORM_CHUNK`` (or the largest power of two dividing a row, if smaller) elements, one chunk per
-# output of the reduction kernel, so that every chunk is summed in the same order whatever the
-# number of rows (on CUDA a reduction's block shape and split follow its count of outputs; with
-# at least 16 outputs and chunks this short, one warp sums each chunk alone); the chunk norms of
-# all of a slot's parameters then go through one ``_foreach_norm`` per slot row, whose order
-# per tensor does not depend on the other tensors of the call.
-_NORM_CHUNK = 256
-
-
-def _pooled_squares(
-    views: list[_SlotViews], presents: list[list[torch.Tensor]], slots: list[int], device: torch.device
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """For each view (by index) whose slot trains whole pooled rows: its (TP-sharded,
-    replicated) sums of squared gradients, 0-d fp64, from one chunked reduction per parameter
-    and run of consecutive such slots (not one per parameter and slot)."""
-    by_layout: dict[int, tuple[_Layout, list[int]]] = {}
-    for i, (v, present) in enumerate(zip(views, presents, strict=True)):
-        layout = v.layout
-        if layout is not None and layout.poolable and present and len(present) == len(v.values):
-            by_layout.setdefault(id(layout), (layout, []))[1].append(i)
-    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    rows: list[torch.Tensor] = []
-    owners: list[tuple[int, bool, bool]] = []
-    whole: dict[tuple[int, int], torch.Tensor] = {}  # (id(buffer), chunk) -> its chunk norms, once per call
-    for layout, members in by_layout.values():
-        sharded = [t.kind is not ShardKind.REPLICATED for t in views[members[0]].tensors]
-        order = [j for j, s in enumerate(sharded) if s] + [j for j, s in enumerate(sharded) if not s]
-        split = sum(sharded)
-        index_of = {slots[i]: i for i in members}
-        flat = _flat_chunks(layout, order, split)
-        if flat is not None:
-            buffer, chunk, picks = flat
-            key = (id(buffer), chunk)
-            if key not in whole:
-                whole[key] = torch.linalg.vector_norm(buffer.view(-1, chunk), 2, dim=1, dtype=torch.float64)
-            for slot, i in index_of.items():
-                first, second = picks[0][slot], picks[1][slot]
-                for part in (first, second):
-                    if part.numel():
-                        rows.append(whole[key][part])
-                owners.append((i, first.numel() > 0, second.numel() > 0))
-            continue
-        for start, stop in _runs(list(index_of)):
-            n = stop - start
-            pieces = []
-            for j in order:
-                grad = layout.grads[j]
-                assert grad is not None
-                rows_j = grad[start:stop].reshape(n, -1)  # [n, N]: contiguous rows
-                chunk = math.gcd(rows_j.shape[1], _NORM_CHUNK)
-                norms = torch.linalg.vector_norm(rows_j.view(-1, chunk), 2, dim=1, dtype=torch.float64)
-                pieces.append(norms.view(n, -1))
-            widths = [p.shape[1] for p in pieces]
-            table = torch.cat(pieces, dim=1)  # [n, chunks]
-            cut = sum(widths[:split])
-            for k in range(n):
-                for part in (table[k, :cut], table[k, cut:]):
-                    if part.numel():
-                        rows.append(part)
-                owners.append((index_of[start + k], cut > 0, cut < table.shape[1]))
-    if rows:
-        norms = iter(torch._foreach_norm(rows, 2))
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        for i, has_sharded, has_replicated in owners:
-            first = next(norms) ** 2 if has_sharded else zero
-            second = next(norms) ** 2 if has_replicated else zero
-            out[i] = (first, second)
-    return out
-
-
-def _flat_chunks(
-    layout: _Layout, order: list[int], split: int
-) -> tuple[torch.Tensor, int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
-    """Where every gradient of ``layout`` is a contiguous block of one flat buffer (the pool
-    allocates them so, ``lora.AdapterPool``): (the buffer, the chunk length, for each slot the
-    indices of its chunks, TP-sharded parameters' then replicated ones'). The whole buffer's
-    chunk norms are then one reduction of a fixed shape, whichever slots a call steps; None
-    otherwise. Kept on the layout (forgotten when its gradients change)."""
-    if layout.flat_known:
-        flat: tuple[torch.Tensor, int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = layout.flat
-        return flat
-    grads = layout.grads
-    base = grads[0]._base if grads and grads[0] is not None else None
-    result = None
-    if (
-        base is not None
-        and base.dim() == 1
-        and base.is_contiguous()
-        and all(g is not None and g._base is base and g.is_contiguous() for g in grads)
-    ):
-        slots = grads[0].shape[0]  # type: ignore[union-attr]
-        chunk = _NORM_CHUNK
-        for g in grads:
-            assert g is not None
-            chunk = math.gcd(chunk, g.numel() // slots, g.storage_offset() - base.storage_offset())
-        chunk = math.gcd(chunk, base.numel())
-        per_slot: list[list[torch.Tensor]] = [[], []]
-        for which, js in ((0, order[:split]), (1, order[split:])):
-            for s in range(slots):
-                parts = []
-                for j in js:
-                    g = grads[j]
-                    assert g is not None
-                    n = g.numel() // slots
-                    first = (g.storage_offset() - base.storage_offset() + s * n) // chunk
-                    parts.append(torch.arange(first, first + n // chunk))
-                index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-                per_slot[which].append(index.to(base.device))
-        result = (base, chunk, (per_slot[0], per_slot[1]))
-    layout.flat, layout.flat_known = result, True
-    return result
 
 
 def _vector(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -17,14 +17,7 @@ import pytest
 import torch
 
 from libs.contracts.loss_specs import LOSS_SPECS
-from services.trainer.engine import (
-    DatumInput,
-    EngineConfig,
-    LoraConfig,
-    LossPathChooser,
-    TrainerEngine,
-    resolve_fused_ce,
-)
+from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_fused_ce
 from services.trainer.fused_ce import Piece, chunk_tokens, fused_target_logprobs, pieces
 from services.trainer.parallel import ensure_model_parallel
 from services.trainer.tests.helpers import ce_bounds, ce_datum, random_tokens, randomize_slot, to_hf_layout
@@ -42,28 +35,13 @@ def fused(engine: TrainerEngine) -> Iterator[TrainerEngine]:
         engine.fused_ce, engine.fused_ce_chunk = False, None
 
 
-def test_default_is_measured_on_cuda_and_unfused_on_cpu(engine: TrainerEngine) -> None:
-    """``fused_cross_entropy=None`` (the default) means the measured choice on CUDA (``None``
-    kept on the engine) and unfused on a CPU; True or False wins on either."""
+def test_default_is_fused_on_cuda_only(engine: TrainerEngine) -> None:
+    """``fused_cross_entropy=None`` (the default) means fused on CUDA and unfused on a CPU;
+    True or False wins on either."""
     assert EngineConfig("x").fused_cross_entropy is None
     assert engine.fused_ce is False  # the tiny CPU engine built with the default
-    assert resolve_fused_ce(None, "cuda") is None and resolve_fused_ce(None, "cpu") is False
+    assert resolve_fused_ce(None, "cuda") is True and resolve_fused_ce(None, "cpu") is False
     assert resolve_fused_ce(True, "cpu") is True and resolve_fused_ce(False, "cuda") is False
-
-
-def test_loss_path_chooser_keeps_the_faster_after_its_trials() -> None:
-    """Four timed trials per workload (fused, unfused, fused, unfused); the second of each
-    decides, the first is a warm-up; workloads (length bucket, lm_head adapter) are apart."""
-    chooser = LossPathChooser()
-    key = chooser.key(3000, True)
-    assert key == (4096, True) and chooser.key(4096, True) == key and chooser.key(4097, True) != key
-    for fused, seconds in zip(LossPathChooser.TRIALS, (9.0, 1.0, 2.0, 3.0), strict=True):
-        chooser.record(key, fused, seconds)
-    assert chooser.choice == {key: True}  # 2.0 fused against 3.0 unfused; the warm-ups ignored
-    other = chooser.key(100, False)
-    for fused, seconds in zip(LossPathChooser.TRIALS, (1.0, 9.0, 2.0, 1.5), strict=True):
-        chooser.record(other, fused, seconds)
-    assert chooser.choice[other] is False and chooser.choice[key] is True
 
 
 def test_pieces_stay_inside_segments_and_cover_them() -> None:
@@ -208,14 +186,12 @@ def _inputs(device: str, dtype: torch.dtype, vocab: int, hidden: int, seed: int)
     )
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "recompute"])
-def test_function_matches_full_logits_on_cpu(ahead: bool) -> None:
-    """The autograd function alone, fp32 on CPU with pieces of 256 tokens, with the backward's
-    d logits made in forward and recomputed in backward: logprobs and the gradients of h, u and
-    B equal a full-logits log-softmax's within 1e-5 relative."""
+def test_function_matches_full_logits_on_cpu() -> None:
+    """The autograd function alone, fp32 on CPU with pieces of 256 tokens: logprobs and the
+    gradients of h, u and B equal a full-logits log-softmax's within 1e-5 relative."""
     ensure_model_parallel("cpu")  # a one-rank TP group
     h, w, y, segs, us, bs, g = _inputs("cpu", torch.float32, 1000, 64, seed=0)
-    lp = fused_target_logprobs(h, w, y, segs, us, bs, chunk=256, ahead=ahead)
+    lp = fused_target_logprobs(h, w, y, segs, us, bs, chunk=256)
     lp.backward(g)
     got = [h.grad, *[u.grad for u in us], *[b.grad for b in bs]]
     for t in (h, *us, *bs):
@@ -254,8 +230,8 @@ def test_cuda_bf16_fused_matches_fp32_reference() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_fused_matches_unfused(qwen_dir: Path) -> None:
-    """A bf16 CUDA engine (tiny-qwen3, three co-packed slots, two with an lm_head adapter): its
-    default is the measured choice, and the fused path's logprobs and gradients agree with the unfused path of the
+    """A bf16 CUDA engine (tiny-qwen3, three co-packed slots, two with an lm_head adapter): the
+    fused path is its default, and its logprobs and gradients agree with the unfused path of the
     same engine (the decoder's forward is the same; only the loss differs, each rounding bf16
     logits once): logprobs within 0.02 + 1 % absolute, every gradient within 3 % of its tensor's
     largest entry, all finite."""
@@ -264,7 +240,7 @@ def test_cuda_engine_fused_matches_unfused(qwen_dir: Path) -> None:
             str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", attention_backend="sdpa_per_document"
         )
     )
-    assert engine.fused_ce is None
+    assert engine.fused_ce is True
     states = _slots(engine)
     rng = np.random.default_rng(3)
     datums = [ce_datum(rng, s, n) for s, n in ((1, 90), (0, 120), (3, 50), (1, 40), (0, 160), (3, 80))]
