@@ -5,6 +5,8 @@ and one model's saves are handed over in the order they were submitted."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,16 @@ def pending(data_dir: Path, model_id: str, unit_id: str) -> PendingSave:
     return PendingSave({"adapter.safetensors": b"x" * 64, "state.json": b"{}"}, staging, command, 0.0)
 
 
+def wait_fired(spec: str, directory: Path, timeout_s: float) -> bool:
+    """Whether fault spec `spec` fired within `timeout_s` (its marker file appears when it does)."""
+    deadline = time.monotonic() + timeout_s
+    while not fired(spec, directory):
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.01)
+    return True
+
+
 def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model m's first save is held mid-file: n's save, submitted after it, is handed over while
     m's is still unwritten, m's second save only after m's first, and each only with its files."""
@@ -56,6 +68,9 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
 
         saves = BackgroundSaves(publish, limit=4)
         await saves.submit(pending(tmp_path, "m", "u1"))  # held half-way through its first file
+        # n's write must not take the held hit: submit it only once m's write is the one held
+        # (the fault point's own marker file says so; a bounded wait on it, as `hold` itself waits)
+        assert await asyncio.to_thread(wait_fired, hold, faults, 30.0), "m's first write was never held"
         await saves.submit(pending(tmp_path, "m", "u2"))
         await saves.submit(pending(tmp_path, "n", "u3"))
         assert await asyncio.wait_for(arrived.get(), 30) == "n:u3"
