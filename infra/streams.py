@@ -81,22 +81,26 @@ def stream_configs(r: Retention, replicas: int = 1) -> list[StreamConfig]:
             allow_direct=True,
         )
 
+    def latest(name: str, subject: str, max_age: float) -> StreamConfig:
+        """A stream that keeps one message per subject (the latest), read by direct get."""
+        return StreamConfig(
+            name=name,
+            num_replicas=replicas,
+            subjects=[subject],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=max_age,
+            max_msgs_per_subject=1,
+            duplicate_window=r.dedupe_window_s,
+            allow_direct=True,
+        )
+
     return [
         log(s.STREAM_REQUESTS, s.REQUESTS_ALL),
         log(s.STREAM_WORK, s.WORK_ALL),
         log(s.STREAM_OUTCOMES, s.OUTCOMES_ALL),
         log(s.STREAM_PUBLISH, s.PUBLISH_ALL),
-        StreamConfig(
-            name=s.STREAM_RESULTS,
-            num_replicas=replicas,
-            subjects=[s.RESULTS_ALL],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=r.results_s,
-            max_msgs_per_subject=1,
-            duplicate_window=r.dedupe_window_s,
-            allow_direct=True,
-        ),
+        latest(s.STREAM_RESULTS, s.RESULTS_ALL, r.results_s),
         StreamConfig(
             name=s.STREAM_SAMPLES,
             num_replicas=replicas,
@@ -106,17 +110,7 @@ def stream_configs(r: Retention, replicas: int = 1) -> list[StreamConfig]:
             max_age=r.results_s,
             duplicate_window=r.dedupe_window_s,
         ),
-        StreamConfig(
-            name=s.STREAM_STABILITY,
-            num_replicas=replicas,
-            subjects=[s.STABILITY_ALL],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=r.stability_s,
-            max_msgs_per_subject=1,
-            duplicate_window=r.dedupe_window_s,
-            allow_direct=True,
-        ),
+        latest(s.STREAM_STABILITY, s.STABILITY_ALL, r.stability_s),
         StreamConfig(
             name=s.STREAM_EVENTS,
             num_replicas=replicas,
