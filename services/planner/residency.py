@@ -58,8 +58,11 @@ def placement(
 ) -> Placement | None:
     """Where `stream` goes, or None if it must wait: a free slot in the first candidate group that
     has one, else the best victim of all the candidate groups (idle first, then least recently
-    used: as with one group)."""
+    used: as with one group). A model with a unit in flight stays on its own group: its export
+    is written when the group's trainer runs its page-out, so no other group may read it yet."""
     candidates = candidate_groups(state, groups, stream, head)
+    if stream.model_id in busy:
+        candidates = [g for g in candidates if g == group_of(stream, groups)]
     for group in candidates:
         slot = free_slot(state, groups, group)
         if slot is not None:

@@ -46,6 +46,9 @@ from services.planner.facts import (
 )
 from services.planner.streams import ModelStream, Pending
 
+LOST_STATE = "lost its training state"
+"""How a model's close reason starts when its state could not be moved or rebuilt."""
+
 
 @dataclass
 class PlannerState:
@@ -256,7 +259,9 @@ def _fold_work(state: PlannerState, outcome: WorkOutcome, members: list[Member])
         pending.done += 1
         datum = by_key.get((request_id, index))
         if datum is None or datum.error is not None or outcome.error is not None:
-            if datum is not None and datum.error is not None:
+            if stream.closed_reason.startswith(LOST_STATE):  # say why, not the empty slot's symptom
+                error, category = f"model {stream.model_id} {stream.closed_reason}; this request did not run", "server"
+            elif datum is not None and datum.error is not None:
                 error, category = datum.error, "user"
             else:
                 error = outcome.error or f"the trainer returned no result for data[{index}]"
@@ -272,19 +277,30 @@ def _fold_work(state: PlannerState, outcome: WorkOutcome, members: list[Member])
 
 
 def _fold_adoptions(state: PlannerState, outcome: BarrierOutcome, ops: list[SlotOp]) -> None:
-    """A model whose takeover failed (its state could not be rebuilt) is closed: what it has
-    queued fails, saying why."""
+    """A model whose state did not move (a takeover that could not rebuild it, a page-out or a
+    page-in that failed) holds no usable slot: it is closed, and what it has queued fails, saying
+    why, instead of running on a slot that does not hold it."""
     failed = {o.model_id: o for o in outcome.ops if not o.ok and o.request_id == page_request_id(o.model_id)}
     for op in ops:
         stream = state.streams.get(op.model_id)
-        if not isinstance(op, AdoptSlot) or stream is None or (got := failed.get(op.model_id)) is None:
+        if not isinstance(op, (AdoptSlot, PageIn, PageOut)) or stream is None:
             continue
+        if (got := failed.get(op.model_id)) is None:
+            continue
+        error = got.error or "failed"
+        if isinstance(op, AdoptSlot):
+            reason = (
+                f"{LOST_STATE}: trainer group {op.from_group} was lost and the state could "
+                f"not be rebuilt from its files ({error})"
+            )
+        elif isinstance(op, PageIn):
+            reason = f"{LOST_STATE}: it could not be paged in on trainer group {stream.group} ({error})"
+        else:
+            reason = f"{LOST_STATE}: it could not be paged out of trainer group {stream.group} ({error})"
         if stream.slot == op.slot:
             _free(state, stream)
-        stream.close(
-            f"lost its training state: trainer group {op.from_group} was lost and the state could "
-            f"not be rebuilt from its files ({got.error or 'failed'})"
-        )
+        stream.paged = False
+        stream.close(reason)
         state.active[stream.model_id] = None
 
 

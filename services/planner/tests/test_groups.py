@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from libs.checkpoints.layout import export_file
+from libs.contracts.outcomes import BarrierOutcome, OpOutcome, WorkOutcome
 from libs.contracts.requests import CreateModel
 from libs.contracts.work import BarrierUnit, InitSlot, PageIn, PageOut, Unit, WorkUnit
 from services.planner.decide import WAIT_GROUP, WAIT_SLOTS
@@ -212,3 +213,61 @@ def test_a_create_waiting_for_a_busy_group_does_not_hold_up_one_for_a_free_group
     assert placed(sim.plan()) == {"m2": "b"}
     assert sim.planner.waiting() == {rid("m1", 0): WAIT_SLOTS}
     sim.finish(busy)
+
+
+def test_a_model_whose_export_is_in_flight_is_not_paged_in_on_another_group_before_it_is_written() -> None:
+    """m3's create pages m1 out on a (exporting it); m1's next command arrives at once, and b's
+    idle m2 could make room. The export is written by a's trainer when it runs that unit, so m1
+    waits until its outcome is folded, and only then pages in on b from the export (never from a
+    file that is not there yet)."""
+    sim = grouped(slots=1)
+    sim.send(create("m1"))
+    sim.run()
+    sim.send(create("m2"))
+    sim.run()
+    sim.send(create("m3"))
+    (evict,) = sim.plan()
+    assert isinstance(evict, BarrierUnit) and evict.group == "a"
+    page_out = evict.ops[0]
+    assert isinstance(page_out, PageOut) and page_out.model_id == "m1" and page_out.export
+    sim.send(fb("m1", 1, [3]))
+    assert sim.plan() == []
+    assert sim.planner.waiting() == {rid("m1", 1): WAIT_SLOTS}
+    sim.finish(evict)
+    move, work = sim.plan()
+    assert isinstance(move, BarrierUnit) and move.group == "b"
+    paged_m2, page_in = move.ops
+    assert isinstance(paged_m2, PageOut) and paged_m2.model_id == "m2"
+    assert isinstance(page_in, PageIn) and page_in.source == page_out.export
+    assert isinstance(work, WorkUnit) and work.group == "b"
+
+
+def test_a_page_in_that_fails_closes_the_model_and_its_queued_work_fails_saying_why() -> None:
+    """b's trainer could not read m1's export: m1 is closed with a message naming the page-in and
+    the trainer's error, its queued forward_backward fails once (never run on a slot that does not
+    hold it), and b's slot is free again."""
+    sim = grouped(slots=1)
+    sim.send(create("m1"))
+    sim.run()
+    sim.send(create("m2"))
+    sim.run()
+    sim.send(create("m3"))
+    sim.run()  # m1 paged out on a, exported
+    sim.send(fb("m1", 1, [3]))
+    move, work = sim.plan()
+    paged_m2, page_in = move.ops  # type: ignore[union-attr]
+    assert isinstance(page_in, PageIn) and page_in.source
+    failed = BarrierOutcome(
+        unit_id=move.unit_id,
+        ops=[
+            OpOutcome(model_id="m2", request_id=paged_m2.request_id, ok=True),
+            OpOutcome(model_id="m1", request_id=page_in.request_id, ok=False, error="no such file", category="server"),
+        ],
+    )
+    sim.finish(move, failed)
+    sim.finish(work, WorkOutcome(unit_id=work.unit_id, error="slot 0 is not initialised"))
+    stream = sim.planner.streams["m1"]
+    assert stream.closed and "could not be paged in on trainer group b (no such file)" in stream.closed_reason
+    assert "could not be paged in" in sim.failure(rid("m1", 1)).error
+    assert sim.planner.state.slots["b"] == {}
+    sim.assert_all_completed_once()
