@@ -1,7 +1,7 @@
 """Account and admin endpoints, answered from what the event log and the catalogue already hold.
 
-- `POST /api/v1/auth/token`: a short-lived JWT for the caller's key (see services.gateway.jwt_auth).
-- `GET /api/v1/billing/usage/events`: usage metering folded from events (services.gateway.metering).
+- `POST /api/v1/auth/token`: a short-lived JWT for the caller's key (see services.gateway.accounts.jwt_auth).
+- `GET /api/v1/billing/usage/events`: usage metering folded from events (services.gateway.catalog.metering).
 - `GET /api/v1/billing/usage/checkpoints/current`: the caller's checkpoints, counted and sized.
 - `GET /api/v1/audit`: who did what, folded from events.
 - `POST /api/v1/sessions/search`: sessions by id, display name, metadata, project and status.
@@ -36,13 +36,14 @@ from libs.contracts.common import now_ns
 from libs.contracts.events import Audited, OperationEvent
 from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord, SessionRecord
-from services.gateway import admin_wire as a
-from services.gateway import downloads, jwt_auth, metering, perfetto
-from services.gateway.auth import Tenant
-from services.gateway.catalog import readable_checkpoint, str_metadata, within
+from services.gateway.accounts import jwt_auth
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import downloads, metering, perfetto
+from services.gateway.catalog.catalog import readable_checkpoint, str_metadata, within
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
+from services.gateway.http.errors import BadRequest
 from services.gateway.routes.bootstrap import owned_session
+from services.gateway.wire import admin_wire as a
 
 AnyRequest = Request[Any, Any, Any]
 HOUR_S = 3_600

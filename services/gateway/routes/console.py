@@ -58,10 +58,10 @@ from libs.contracts.records import (
     SessionRecord,
 )
 from libs.contracts.results import ForwardBackwardResult
-from services.gateway import metering
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import metering
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
+from services.gateway.http.errors import BadRequest
 from services.gateway.routes.admin import read_events
 
 AnyRequest = Request[Any, Any, Any]

@@ -22,13 +22,13 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
 from libs.contracts.sampling import SampleJob
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
-from services.gateway.catalog import resolve_checkpoint
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict
+from services.gateway.http.errors import BadRequest, Conflict
 from services.gateway.routes.bootstrap import owned_session
 from services.gateway.submit import claim_and_append, fingerprint_json
+from services.gateway.wire import tinker_wire as w
 
 log = logging.getLogger("tinkerd.gateway.sampling")
 

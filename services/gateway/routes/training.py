@@ -27,12 +27,12 @@ from libs.contracts.requests import (
     OptimStep,
 )
 from libs.contracts.sampling import SequenceRecord
-from services.gateway import proto, quotas, stability
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway.accounts import quotas
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, TinkerError
+from services.gateway.http.errors import BadRequest, Conflict, TinkerError
 from services.gateway.routes.bootstrap import owned_session
+from services.gateway.sampling import stability
 from services.gateway.submit import (
     append,
     check_seq,
@@ -41,7 +41,9 @@ from services.gateway.submit import (
     owned_model,
     unload,
 )
-from services.gateway.validation import (
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_wire as w
+from services.gateway.wire.validation import (
     Limits,
     check_adam,
     check_body_size,
