@@ -18,6 +18,7 @@ from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
 from services.gateway.accounts.auth import Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway
+from services.gateway.http.ownership import owned_session
 from services.gateway.submit import unload
 from services.gateway.wire import tinker_wire as w
 
@@ -89,10 +90,6 @@ async def create_session(
         SessionEvent(session_id=session_id, what="created", tenant=tenant.id, at_ns=now_ns())
     )
     return w.CreateSessionResponse(session_id=session_id)
-
-
-async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> SessionRecord:
-    return await gateway.store.owned(s.KV_SESSIONS, session_id, SessionRecord, tenant.id, "session")
 
 
 @post("/api/v1/session_heartbeat", status_code=200, operation_id="session_heartbeat")

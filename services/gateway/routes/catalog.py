@@ -21,6 +21,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.ids import SCHEME
 from libs.contracts.records import CheckpointRecord
+from services.gateway.accounts.audit import audit
 from services.gateway.accounts.auth import Tenant
 from services.gateway.catalog import downloads
 from services.gateway.catalog.catalog import (
@@ -39,7 +40,6 @@ from services.gateway.catalog.catalog import (
 )
 from services.gateway.context import Gateway
 from services.gateway.http.errors import BadRequest, NotFound
-from services.gateway.routes.admin import audit
 from services.gateway.wire import tinker_wire as w
 
 AnyRequest = Request[Any, Any, Any]
