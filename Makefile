@@ -38,12 +38,12 @@ $(SDK024_VENV)/.installed:
 	$(SDK024_VENV)/bin/python -m pip install -q tinker==0.24.1 numpy
 	touch $@
 
-# The gateway's protobuf classes, generated from services/gateway/tinker_public.proto and checked in.
+# The gateway's protobuf classes, generated from services/gateway/wire/tinker_public.proto and checked in.
 # Regenerate after editing the .proto or when the protobuf runtime's major version moves; protoc comes
 # from grpcio-tools, whose protoc must not be newer than the installed protobuf runtime
 # (grpcio-tools 1.85.1 ships protoc 35.1: gencode 7.35.1, which protobuf 7.35.1 and later accept).
 GRPCIO_TOOLS ?= grpcio-tools==1.85.1
-PROTO_DIR := services/gateway
+PROTO_DIR := services/gateway/wire
 PROTO_GEN_TOOLS := $(abspath build/grpcio-tools)
 
 proto:

@@ -6,7 +6,7 @@ The request: 8 datums x 1024 tokens with ``target_tokens`` and ``weights``, enco
 SDK's own converter (``tinker.proto.request_conv``). Two decoders turn it into numpy arrays
 (tokens, and every loss input):
 
-- ``tinkerd``: ``services.gateway.proto`` (the checked-in generated ``tinker_public_pb2``, then
+- ``tinkerd``: ``services.gateway.wire.proto`` (the checked-in generated ``tinker_public_pb2``, then
   the field checks, provenance spans and loss config, and numpy arrays with sizes and shapes
   checked), what ``POST /api/v1/forward_backward`` does before validation against limits;
 - ``generated``: the same generated classes with nothing checked: ``ParseFromString``, then
@@ -29,8 +29,8 @@ from google.protobuf.internal import api_implementation
 from tinker import types
 from tinker.proto import request_conv
 
-from services.gateway import proto
-from services.gateway import tinker_public_pb2 as pb
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_public_pb2 as pb
 
 DTYPES = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_INT64: "<i8", pb.DTYPE_INT32: "<i4"}
 

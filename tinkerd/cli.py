@@ -88,7 +88,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    from services.gateway.auth import add_key
+    from services.gateway.accounts.auth import add_key
 
     key = add_key(Path(args.file), args.tenant, args.name or "")
     print(key)

@@ -9,8 +9,8 @@ from pathlib import Path
 from infra import tracing
 from infra.net import announce_file_from_env, serve_asgi
 from infra.runner import setup_logging
+from services.gateway.accounts.auth import check_bind
 from services.gateway.app import create_app
-from services.gateway.auth import check_bind
 from services.gateway.config import load_config
 
 

@@ -19,9 +19,8 @@ from infra.stack_state import state_file_from_env
 from infra.streams import ensure_streams
 from libs.models.hf_cache import install_tokenizer
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
-from services.gateway import guards
-from services.gateway.admission import Admission
-from services.gateway.auth import KeyRing
+from services.gateway.accounts.auth import KeyRing
+from services.gateway.accounts.session_lifecycle import SessionLifecycle
 from services.gateway.config import GatewayConfig
 from services.gateway.context import (
     Gateway,
@@ -31,9 +30,11 @@ from services.gateway.context import (
     provide_tenant,
     shared_signing_secret,
 )
-from services.gateway.engines import EnginePool
-from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.futures import FutureBoard
+from services.gateway.http import guards
+from services.gateway.http.admission import Admission
+from services.gateway.http.errors import EXCEPTION_HANDLERS
+from services.gateway.http.tracing_mw import trace_requests
 from services.gateway.routes import (
     admin,
     bootstrap,
@@ -47,10 +48,9 @@ from services.gateway.routes import (
     unsupported,
     weights,
 )
-from services.gateway.sample_runner import SampleRunner
-from services.gateway.session_lifecycle import SessionLifecycle
+from services.gateway.sampling.engines import EnginePool
+from services.gateway.sampling.sample_runner import SampleRunner
 from services.gateway.store import Store
-from services.gateway.tracing_mw import trace_requests
 
 log = logging.getLogger("tinkerd.gateway")
 
@@ -136,7 +136,7 @@ def lifespan(config: GatewayConfig):  # type: ignore[no-untyped-def]
 
 
 def create_app(config: GatewayConfig) -> Litestar:
-    """Every route under exactly one access policy (see ``guards.py``)."""
+    """Every route under exactly one access policy (see ``http/guards.py``)."""
     tenant_api = Router(path="/", guards=[guards.api_key], route_handlers=TENANT_ROUTES)
     operator_api = Router(path="/", guards=[guards.operator_only], route_handlers=OPERATOR_ROUTES)
     public = Router(path="/", route_handlers=PUBLIC_ROUTES)

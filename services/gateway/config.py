@@ -71,7 +71,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     retrieve_wait_s: float = 30.0
     """How long retrieve_future holds a pending request before answering try_again."""
     max_live_models_per_tenant: int = 256
-    """Models not unloaded per tenant (quotas.py); 0: no limit."""
+    """Models not unloaded per tenant (accounts/quotas.py); 0: no limit."""
     max_stored_bytes_per_tenant: int = 100 << 30
     """Bytes of catalogued checkpoints per tenant before named saves are refused; 0: no limit."""
     session_expiry_s: float = 300.0

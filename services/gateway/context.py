@@ -22,13 +22,13 @@ from libs.contracts import subjects as s
 from libs.contracts.records import SessionRecord, SigningSecret
 from libs.contracts.results import RequestResult
 from libs.models.registry import SHORT_NAMES, ResolvedModel, resolve_base_model
-from services.gateway.admission import Admission
-from services.gateway.auth import KeyRing, Tenant
+from services.gateway.accounts.auth import KeyRing, Tenant
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EnginePool
 from services.gateway.futures import FutureBoard
+from services.gateway.http.admission import Admission
 from services.gateway.metrics import Live, Metrics
 from services.gateway.metrics import registry as metrics_registry
+from services.gateway.sampling.engines import EnginePool
 from services.gateway.store import Store
 
 log = logging.getLogger("tinkerd.gateway")
@@ -51,7 +51,7 @@ class Gateway:
     admission: Admission
     engines: EnginePool
     metrics: Metrics = field(default_factory=Metrics)
-    sessions: SessionBeats | None = None  # session_lifecycle.SessionLifecycle, set by the lifespan
+    sessions: SessionBeats | None = None  # accounts.session_lifecycle.SessionLifecycle, set by the lifespan
     signing_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     extra_models: list[ResolvedModel] = field(default_factory=list)  # more served base models
     extra_pools: dict[str, EnginePool] = field(default_factory=dict)

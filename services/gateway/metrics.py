@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from libs.contracts.results import Failure, RequestResult
-from services.gateway.engines import EnginePool
+from services.gateway.sampling.engines import EnginePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -15,7 +15,7 @@ import nats.js.errors
 from infra.bus import Bus, kv_scan
 from libs.contracts import codec
 from libs.contracts import subjects as s
-from services.gateway.errors import NotFound
+from services.gateway.http.errors import NotFound
 
 T = TypeVar("T")
 

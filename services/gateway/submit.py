@@ -36,9 +36,9 @@ from libs.contracts.events import RequestAccepted, RequestRejected
 from libs.contracts.records import ModelRecord, SeqClaim
 from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected, UnloadModel
 from libs.faults import crash_point
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
+from services.gateway.http.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
 
 _background: set[asyncio.Task[None]] = set()
 

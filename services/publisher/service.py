@@ -8,7 +8,7 @@ future and emit CheckpointPublished. Every step is idempotent, and the message i
 publisher killed at any point redoes the work on restart with the same result.
 
 A save completes once its directory is durable. The publisher makes no call to a sampling engine:
-engines get adapters on demand from the gateway's sample path (services/gateway/engines.py), so
+engines get adapters on demand from the gateway's sample path (services/gateway/sampling/engines.py), so
 no state of an engine (down, restarting, replaced) can fail or delay a save.
 """
 

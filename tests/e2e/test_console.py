@@ -29,8 +29,8 @@ from litestar.testing import AsyncTestClient
 from tinker import types
 
 from infra.status import collect_status
+from services.gateway.accounts.auth import digest
 from services.gateway.app import create_app
-from services.gateway.auth import digest
 from services.gateway.config import GatewayConfig
 from tests.harness import Stack
 
@@ -123,7 +123,7 @@ def test_overview_shows_the_run_its_sdk_losses_steps_checkpoint_and_sampler(stac
 
 def test_usage_equals_the_billing_endpoint(stack: Stack, trained: Trained) -> None:
     """Per-model, per-day usage sums to what GET /api/v1/billing/usage/events reports for the
-    same hours (both folded by services.gateway.metering)."""
+    same hours (both folded by services.gateway.catalog.metering)."""
     view = ok(get(stack, "/api/v1/console/overview"))
     now = dt.datetime.now(dt.UTC).replace(minute=0, second=0, microsecond=0)
     window = {"starting_on": (now - dt.timedelta(days=1)).isoformat(), "ending_before": (now + dt.timedelta(hours=1)).isoformat()}

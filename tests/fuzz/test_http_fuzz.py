@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tinker import types
 
-from services.gateway import tinker_wire as w
 from services.gateway.app import ALL_ROUTES
 from services.gateway.routes import unsupported
+from services.gateway.wire import tinker_wire as w
 from tests.fuzz.test_proto_fuzz import mutated, sdk_request
 from tests.harness import Stack
 

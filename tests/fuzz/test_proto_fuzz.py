@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from tinker import types
 from tinker.proto import request_conv
 
-from services.gateway import proto as tp
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import TinkerError
-from services.gateway.validation import Limits, check_loss, datums_from_proto
+from services.gateway.http.errors import TinkerError
+from services.gateway.wire import proto as tp
+from services.gateway.wire.validation import Limits, check_loss, datums_from_proto
 
 LIMITS = Limits(GatewayConfig(max_tokens_per_datum=64, max_datums_per_request=8), vocab_size=2048, max_context=64)
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import yaml
 
-from services.gateway.auth import check_bind
+from services.gateway.accounts.auth import check_bind
 from services.gateway.config import GatewayConfig
 from services.gateway.config import load_config as gateway_config
 from services.planner.config import PlannerConfig

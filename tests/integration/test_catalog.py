@@ -23,7 +23,7 @@ from tinker import types
 
 from infra.bus import Bus
 from libs.contracts import subjects as s
-from services.gateway import downloads
+from services.gateway.catalog import downloads
 from tests.harness import Stack
 
 SECRET = "test-signing-secret"

@@ -1,6 +1,6 @@
 """The gateway's engine pool against the real CPU sampler: adapters load on demand, stay bounded.
 
-`services.gateway.engines.EnginePool` talks to the sampler's real HTTP app (the real engine, over
+`services.gateway.sampling.engines.EnginePool` talks to the sampler's real HTTP app (the real engine, over
 an in-process ASGI transport). What is checked is what a restarting or shared engine needs:
 
 - an adapter the engine does not hold is loaded by the sample that needs it;
@@ -31,8 +31,8 @@ from litestar.testing import AsyncTestClient
 
 from bench.common import random_peft_adapter
 from libs.models.tiny import build_tiny
-from services.gateway import sglang
-from services.gateway.engines import Adapter, EnginePool, rendezvous
+from services.gateway.sampling import sglang
+from services.gateway.sampling.engines import Adapter, EnginePool, rendezvous
 from services.sampler.app import create_app
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import HFEngine

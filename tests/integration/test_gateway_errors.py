@@ -17,8 +17,8 @@ import pytest
 import tinker
 from tinker import types
 
-from services.gateway.auth import KeyRing, add_key, check_bind
-from services.gateway.errors import Unauthorized
+from services.gateway.accounts.auth import KeyRing, add_key, check_bind
+from services.gateway.http.errors import Unauthorized
 from tests.harness import Stack
 
 VOCAB = 2048  # tiny-qwen3

@@ -1,7 +1,7 @@
 """Account and admin endpoints, answered from what the event log and the catalogue already hold.
 
-- `POST /api/v1/auth/token`: a short-lived JWT for the caller's key (see services.gateway.jwt_auth).
-- `GET /api/v1/billing/usage/events`: usage metering folded from events (services.gateway.metering).
+- `POST /api/v1/auth/token`: a short-lived JWT for the caller's key (see services.gateway.accounts.jwt_auth).
+- `GET /api/v1/billing/usage/events`: usage metering folded from events (services.gateway.catalog.metering).
 - `GET /api/v1/billing/usage/checkpoints/current`: the caller's checkpoints, counted and sized.
 - `GET /api/v1/audit`: who did what, folded from events.
 - `POST /api/v1/sessions/search`: sessions by id, display name, metadata, project and status.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
-import logging
 import os
 import shutil
 import time
@@ -25,78 +24,33 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from litestar import Request, get, post
 
-from infra.bus import last_seq, replay
 from libs.checkpoints import layout
-from libs.contracts import codec
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.events import Audited, OperationEvent
 from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord, SessionRecord
-from services.gateway import admin_wire as a
-from services.gateway import downloads, jwt_auth, metering, perfetto
-from services.gateway.auth import Tenant
-from services.gateway.catalog import readable_checkpoint, str_metadata, within
+from services.gateway.accounts import jwt_auth
+from services.gateway.accounts.audit import audit
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import downloads, metering, perfetto
+from services.gateway.catalog.catalog import readable_checkpoint, str_metadata, within
+from services.gateway.catalog.events import read_events
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
-from services.gateway.routes.bootstrap import owned_session
+from services.gateway.http.errors import BadRequest
+from services.gateway.http.ownership import owned_session
+from services.gateway.wire import admin_wire as a
 
 AnyRequest = Request[Any, Any, Any]
 HOUR_S = 3_600
 MAX_WINDOW_S = 14 * 24 * HOUR_S
 TEN_YEARS_S = 10 * 365 * 24 * HOUR_S
 TRACE_URL_S = 3_600
-EVENTS_READ_TIMEOUT_S = 60.0
-log = logging.getLogger("tinkerd.gateway.admin")
 
 
 def org_user(tenant_id: str) -> str:
     return f"tml:org-user:{tenant_id}"
-
-
-async def read_events(gateway: Gateway) -> list[OperationEvent]:
-    """Every operation event still retained, oldest first (kinds this build does not know are skipped)."""
-    upto = await last_seq(gateway.bus, s.STREAM_EVENTS)
-    events: list[OperationEvent] = []
-
-    def keep(msg: Any) -> None:
-        try:
-            events.append(codec.event_decoder.decode(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
-
-    try:
-        await asyncio.wait_for(
-            replay(gateway.bus, s.STREAM_EVENTS, s.EVENTS_ALL, upto, keep), EVENTS_READ_TIMEOUT_S
-        )
-    except TimeoutError:  # e.g. the last event expired while being read: answer with what was read
-        log.warning("reading the events stream stopped after %.0fs (%d events)", EVENTS_READ_TIMEOUT_S, len(events))
-    return events
-
-
-async def audit(
-    gateway: Gateway, tenant: Tenant, resource: str, action: str, subject: str, **details: str
-) -> None:
-    """Record who did what; awaited, so the audit log shows a change once its call has returned
-    (an event-log outage costs the entry, never the operation: `Bus.emit` only logs)."""
-    model_id = ""
-    if subject.startswith(SCHEME):
-        model_id = subject[len(SCHEME) :].split("/", 1)[0]
-    await gateway.bus.emit(
-        Audited(
-            resource=resource,
-            action=action,
-            subject=subject,
-            actor=tenant.key_digest[:16],
-            details=details,
-            tenant=tenant.id,
-            model_id=model_id,
-            at_ns=now_ns(),
-        )
-    )
 
 
 async def session_projects(gateway: Gateway, tenant: Tenant) -> dict[str, SessionRecord]:

@@ -15,11 +15,12 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
 from libs.contracts.records import ModelRecord, SessionRecord, TrainerStatus
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.context import Gateway
+from services.gateway.http.ownership import owned_session
 from services.gateway.submit import unload
+from services.gateway.wire import tinker_wire as w
 
 CLIENT_CONFIG = w.ClientConfigResponse(
     # The flags are explicit so a client runs the same way whatever its version's defaults.
@@ -91,10 +92,6 @@ async def create_session(
     return w.CreateSessionResponse(session_id=session_id)
 
 
-async def owned_session(gateway: Gateway, tenant: Tenant, session_id: str) -> SessionRecord:
-    return await gateway.store.owned(s.KV_SESSIONS, session_id, SessionRecord, tenant.id, "session")
-
-
 @post("/api/v1/session_heartbeat", status_code=200, operation_id="session_heartbeat")
 async def session_heartbeat(
     data: w.SessionHeartbeatRequest, gateway: Gateway, tenant: Tenant
@@ -163,7 +160,7 @@ async def not_serving(gateway: Gateway) -> dict[str, str]:
 
     Every service `tinkerd up` supervises that is not up (its stack state file; gateway replicas
     answer for themselves), no ready trainer, and every base model whose engines all fail their
-    check (engines.py: not reachable, not a sampling engine, or another model)."""
+    check (sampling/engines.py: not reachable, not a sampling engine, or another model)."""
     problems: dict[str, str] = {}
     state_file = state_file_from_env(os.environ)
     stack = read_state(state_file) if state_file is not None else None

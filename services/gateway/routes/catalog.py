@@ -21,10 +21,10 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.ids import SCHEME
 from libs.contracts.records import CheckpointRecord
-from services.gateway import downloads
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
-from services.gateway.catalog import (
+from services.gateway.accounts.audit import audit
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import downloads
+from services.gateway.catalog.catalog import (
     at,
     check_page,
     checkpoint_view,
@@ -39,8 +39,8 @@ from services.gateway.catalog import (
     visible_run,
 )
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, NotFound
-from services.gateway.routes.admin import audit
+from services.gateway.http.errors import BadRequest, NotFound
+from services.gateway.wire import tinker_wire as w
 
 AnyRequest = Request[Any, Any, Any]
 RUN = "/api/v1/training_runs/{run_id:str}"
@@ -206,7 +206,7 @@ async def checkpoint_archive(
 
 @get("/api/v1/downloads/{relative:path}", operation_id="download")
 async def download(request: AnyRequest, relative: str, gateway: Gateway) -> Response[bytes] | File | Stream:
-    """Unauthenticated: the URL's signature is the authorisation (see services.gateway.downloads)."""
+    """Unauthenticated: the URL's signature is the authorisation (see services.gateway.catalog.downloads)."""
     target = downloads.verify(
         gateway.signing_secret,
         gateway.data_dir,

@@ -58,11 +58,11 @@ from libs.contracts.records import (
     SessionRecord,
 )
 from libs.contracts.results import ForwardBackwardResult
-from services.gateway import metering
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import metering
+from services.gateway.catalog.events import read_events
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
-from services.gateway.routes.admin import read_events
+from services.gateway.http.errors import BadRequest
 
 AnyRequest = Request[Any, Any, Any]
 PAGE = Path(__file__).resolve().parent.parent / "static" / "console.html"

@@ -14,11 +14,11 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import ModelRecord, QueueRecord, SamplerRecord, SeqClaim
 from libs.contracts.results import Failure
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import Gone, NotFound, NotOffered
-from services.gateway.render import render
+from services.gateway.http.errors import Gone, NotFound, NotOffered
+from services.gateway.wire import tinker_wire as w
+from services.gateway.wire.render import render
 
 
 async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClaim | None]:

@@ -22,13 +22,14 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.records import CheckpointRecord, SamplerRecord, SeqClaim
 from libs.contracts.sampling import SampleJob
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
-from services.gateway.catalog import resolve_checkpoint
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog.catalog import resolve_checkpoint
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict
-from services.gateway.routes.bootstrap import owned_session
+from services.gateway.http.errors import BadRequest, Conflict
+from services.gateway.http.ownership import owned_session
+from services.gateway.sampling.sampleable import check_sampleable
 from services.gateway.submit import claim_and_append, fingerprint_json
+from services.gateway.wire import tinker_wire as w
 
 log = logging.getLogger("tinkerd.gateway.sampling")
 
@@ -77,16 +78,6 @@ async def create_sampling_session(
             f"sampling_session_seq_id {data.sampling_session_seq_id} was already used for another sampler"
         )
     return w.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
-
-
-def check_sampleable(gateway: Gateway, base: str) -> None:
-    """A 400 unless base model `base` has sampling engines here."""
-    if gateway.pool(base) is None:
-        sampleable = ", ".join(repr(m.name) for m in gateway.models if gateway.pool(m.name) is not None)
-        raise BadRequest(
-            f"base_model {base!r} is trained here but has no sampling engine in this deployment; "
-            f"sampleable base models: {sampleable}"
-        )
 
 
 @get("/api/v1/samplers/{sampler_id:str}", operation_id="get_sampler")

@@ -12,13 +12,13 @@ from litestar import get, put
 from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.records import ModelRecord, SamplerRecord, SessionRecord
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
-from services.gateway.catalog import check_page, str_metadata
+from services.gateway.accounts.audit import audit
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog.catalog import check_page, str_metadata
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
-from services.gateway.routes.admin import audit
-from services.gateway.routes.bootstrap import owned_session
+from services.gateway.http.errors import BadRequest
+from services.gateway.http.ownership import owned_session
+from services.gateway.wire import tinker_wire as w
 
 
 @get("/api/v1/sessions", operation_id="list_sessions")

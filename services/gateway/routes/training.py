@@ -15,24 +15,18 @@ import msgspec
 import zstandard
 from litestar import Request, post
 
-from libs.contracts import ids
-from libs.contracts import subjects as s
-from libs.contracts.common import BusDatum, LoraConfig, now_ns
+from libs.contracts.common import BusDatum, LoraConfig
 from libs.contracts.loss_specs import NEEDS_PROVENANCE
-from libs.contracts.records import ModelRecord
 from libs.contracts.requests import (
-    CheckpointRef,
-    CreateModel,
     ForwardBackward,
     OptimStep,
 )
 from libs.contracts.sampling import SequenceRecord
-from services.gateway import proto, quotas, stability
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway import model_creation
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, Conflict, TinkerError
-from services.gateway.routes.bootstrap import owned_session
+from services.gateway.http.errors import BadRequest, TinkerError
+from services.gateway.sampling import stability
 from services.gateway.submit import (
     append,
     check_seq,
@@ -41,7 +35,9 @@ from services.gateway.submit import (
     owned_model,
     unload,
 )
-from services.gateway.validation import (
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_wire as w
+from services.gateway.wire.validation import (
     Limits,
     check_adam,
     check_body_size,
@@ -68,49 +64,6 @@ def _future(request_id: str, model_id: str | None = None) -> w.UntypedAPIFuture:
     return w.UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
 
-async def _create(
-    gateway: Gateway,
-    tenant: Tenant,
-    session_id: str,
-    model_seq_id: int,
-    lora: LoraConfig,
-    digest: str,
-    user_metadata: dict[str, object] | None,
-    restore: CheckpointRef | None,
-    base_model: str | None = None,
-) -> w.UntypedAPIFuture:
-    base = base_model or gateway.model.name
-    await owned_session(gateway, tenant, session_id)
-    model_id = ids.model_id(session_id, model_seq_id)  # the SDK computes this id itself
-    await quotas.check_live_models(gateway, tenant, model_id)
-    record = ModelRecord(
-        model_id=model_id,
-        tenant=tenant.id,
-        session_id=session_id,
-        base_model=base,
-        lora=lora,
-        created_ns=now_ns(),
-        create_request_id=ids.request_id(model_id, 0),
-        user_metadata=user_metadata,
-    )
-    created, existing = await gateway.store.create(s.KV_MODELS, s.token(model_id), record, ModelRecord)
-    if not created and (existing.tenant != tenant.id or existing.lora != lora):
-        raise Conflict(
-            f"model_seq_id {model_seq_id} of session {session_id} already created a different model"
-        )
-    command = CreateModel(
-        model_id=model_id,
-        seq_id=0,
-        session_id=session_id,
-        base_model=base,
-        lora=lora,
-        user_metadata={k: str(v) for k, v in (user_metadata or {}).items()},
-        restore=restore,
-    )
-    request_id = await append(gateway, tenant, model_id, 0, "create_model", digest, command)
-    return _future(request_id, model_id)
-
-
 @post("/api/v1/create_model", status_code=200, operation_id="create_model")
 async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
     served = gateway.served(data.base_model)
@@ -131,7 +84,7 @@ async def create_model(data: w.CreateModelRequest, gateway: Gateway, tenant: Ten
     if data.model_seq_id < 0:
         raise BadRequest(f"model_seq_id must be >= 0, got {data.model_seq_id}")
     digest = fingerprint_json("create_model", msgspec.to_builtins(data))
-    return await _create(
+    return await model_creation.create_model(
         gateway,
         tenant,
         data.session_id,

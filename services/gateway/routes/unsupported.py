@@ -10,8 +10,8 @@ from __future__ import annotations
 from litestar import delete, post
 from litestar.handlers import HTTPRouteHandler
 
-from services.gateway.auth import Tenant
-from services.gateway.errors import NotOffered
+from services.gateway.accounts.auth import Tenant
+from services.gateway.http.errors import NotOffered
 
 NO_RETRY = {"x-should-retry": "false"}
 

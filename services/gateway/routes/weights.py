@@ -16,15 +16,15 @@ from libs.contracts import subjects as s
 from libs.contracts.common import LoraConfig, now_ns
 from libs.contracts.records import ModelRecord, SamplerRecord
 from libs.contracts.requests import CheckpointRef, LoadWeights, SaveForSampler, SaveWeights
-from services.gateway import quotas
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
-from services.gateway.catalog import check_name, resolve_checkpoint
+from services.gateway import model_creation
+from services.gateway.accounts import quotas
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog.catalog import check_name, resolve_checkpoint
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
-from services.gateway.routes.sampling import check_sampleable
-from services.gateway.routes.training import _create
+from services.gateway.http.errors import BadRequest
+from services.gateway.sampling.sampleable import check_sampleable
 from services.gateway.submit import check_seq, fingerprint_json, owned_model, sequenced
+from services.gateway.wire import tinker_wire as w
 
 FIRST_SEQ = 1
 """The seq_id of a model's first request after its create (seq_id 0)."""
@@ -165,7 +165,7 @@ async def load_weights(data: w.LoadWeightsRequest, gateway: Gateway, tenant: Ten
     digest = fingerprint_json("load_weights", msgspec.to_builtins(data))
     if data.session_id is not None and data.model_seq_id is not None:
         ref, lora, base = await _restore_ref(gateway, tenant, data)
-        return await _create(  # a model of the checkpoint's base model
+        return await model_creation.create_model(  # a model of the checkpoint's base model
             gateway, tenant, data.session_id, data.model_seq_id, lora, digest, data.user_metadata, ref, base
         )
     if data.model_id is None:

@@ -7,7 +7,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from services.gateway import tinker_public_pb2 as pb
+from services.gateway.wire import tinker_public_pb2 as pb
 
 
 def tensor_from_numpy(array: npt.ArrayLike) -> pb.Tensor:

@@ -11,7 +11,7 @@ from libs.contracts.events import (
     RequestRejected,
 )
 from libs.contracts.records import ModelQueueRecord, ModelRecord
-from services.gateway import metering
+from services.gateway.catalog import metering
 from services.gateway.routes import console
 
 H = metering.HOUR_NS

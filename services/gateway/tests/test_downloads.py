@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway import downloads
-from services.gateway.errors import Forbidden
+from services.gateway.catalog import downloads
+from services.gateway.http.errors import Forbidden
 
 
 def test_signed_paths_outside_the_data_root_are_refused(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from services.gateway import guards
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import Forbidden
+from services.gateway.http import guards
+from services.gateway.http.errors import Forbidden
 
 
 def connection(host: str, key: str | None = None) -> Any:

@@ -20,10 +20,11 @@ from libs.contracts.events import (
 )
 from libs.contracts.records import CheckpointRecord
 from libs.models.hf_cache import install_tokenizer
-from services.gateway import jwt_auth, metering, perfetto
-from services.gateway.auth import Tenant
-from services.gateway.catalog import checkpoint_view, knows_external
-from services.gateway.errors import Unauthorized
+from services.gateway.accounts import jwt_auth
+from services.gateway.accounts.auth import Tenant
+from services.gateway.catalog import metering, perfetto
+from services.gateway.catalog.catalog import checkpoint_view, knows_external
+from services.gateway.http.errors import Unauthorized
 
 H = metering.HOUR_NS
 T0 = 1_000 * H  # an hour boundary

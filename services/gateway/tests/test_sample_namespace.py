@@ -8,9 +8,9 @@ import msgspec
 import numpy as np
 
 from libs.contracts.records import SamplerRecord
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.routes.sampling import _sample_job
+from services.gateway.wire import tinker_wire as w
 
 TENANT = Tenant(id="t1", key_digest="ab" * 32, key_name="ci")
 REQUEST = w.SampleRequest(prompt=w.ModelInput(chunks=[w.EncodedTextChunk(tokens=[5, 6, 7])]))

@@ -22,9 +22,9 @@ from tinker import types
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as pb
 
-from services.gateway import proto as tp
-from services.gateway import tinker_public_pb2 as gpb
 from services.gateway.tests import proto_results as pr
+from services.gateway.wire import proto as tp
+from services.gateway.wire import tinker_public_pb2 as gpb
 
 
 def _raw(inputs: dict[str, Any]) -> Any:

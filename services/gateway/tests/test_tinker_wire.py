@@ -41,11 +41,11 @@ from tinker.types.save_weights_for_sampler_response import (
 )
 from tinker.types.try_again_response import TryAgainResponse as SdkTryAgain
 
-from services.gateway import admin_wire as aw
-from services.gateway import proto as tp
-from services.gateway import tinker_public_pb2 as pb
-from services.gateway import tinker_wire as tw
 from services.gateway.tests import proto_results as pr
+from services.gateway.wire import admin_wire as aw
+from services.gateway.wire import proto as tp
+from services.gateway.wire import tinker_public_pb2 as pb
+from services.gateway.wire import tinker_wire as tw
 
 NOW = dt.datetime(2026, 11, 29, 10, 11, 12, 345000, tzinfo=dt.UTC)
 

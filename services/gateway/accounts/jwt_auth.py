@@ -19,8 +19,8 @@ import hmac
 import json
 import time
 
-from services.gateway.auth import Tenant
-from services.gateway.errors import Unauthorized
+from services.gateway.accounts.auth import Tenant
+from services.gateway.http.errors import Unauthorized
 
 ISSUER = "tinkerd"
 INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}

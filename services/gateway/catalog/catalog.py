@@ -19,10 +19,10 @@ from libs.checkpoints import layout
 from libs.contracts import subjects as s
 from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
-from services.gateway import tinker_wire as w
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest, NotFound
+from services.gateway.http.errors import BadRequest, NotFound
+from services.gateway.wire import tinker_wire as w
 
 NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 

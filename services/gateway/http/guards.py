@@ -11,7 +11,7 @@ endpoint is read in one place:
   equal to the configured ``admin_key``; otherwise 403 (nothing is hidden: these are not
   tenant resources).
 - **public**: no check; health probes, and signed download URLs, which carry their own
-  signature (``downloads.py``).
+  signature (``catalog/downloads.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from services.gateway import jwt_auth
-from services.gateway.auth import Tenant, is_loopback
+from services.gateway.accounts import jwt_auth
+from services.gateway.accounts.auth import Tenant, is_loopback
 from services.gateway.context import Gateway
-from services.gateway.errors import Forbidden
+from services.gateway.http.errors import Forbidden
 
 Connection = ASGIConnection[Any, Any, Any, Any]
 
@@ -36,7 +36,7 @@ def _gateway(connection: Connection) -> Gateway:
 
 async def api_key(connection: Connection, _: BaseRouteHandler) -> None:
     gateway, credential = _gateway(connection), connection.headers.get("x-api-key")
-    if jwt_auth.looks_like_jwt(credential):  # a JWT from POST /api/v1/auth/token (see jwt_auth.py)
+    if jwt_auth.looks_like_jwt(credential):  # a JWT from POST /api/v1/auth/token (see accounts/jwt_auth.py)
         connection.state.tenant = jwt_auth.verify(credential or "", gateway.signing_secret)
         return
     connection.state.tenant = gateway.keys.authenticate(credential)

@@ -25,7 +25,7 @@ from libs.contracts.common import now_ns
 from libs.contracts.events import SessionEvent
 from libs.contracts.records import ModelRecord, SessionRecord
 from services.gateway.context import Gateway
-from services.gateway.errors import Gone
+from services.gateway.http.errors import Gone
 from services.gateway.submit import unload
 
 log = logging.getLogger("tinkerd.gateway")

@@ -13,9 +13,9 @@ from libs.contracts.results import (
     SampleResult,
     TopK,
 )
-from services.gateway import proto
-from services.gateway import tinker_public_pb2 as pb
-from services.gateway import tinker_wire as w
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_public_pb2 as pb
+from services.gateway.wire import tinker_wire as w
 
 PROTOBUF = "application/x-protobuf"
 

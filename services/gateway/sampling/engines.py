@@ -40,7 +40,7 @@ import httpx
 
 from infra.net import announced_path, resolve_address
 from infra.stack_state import UP, ServiceState, describe, read_state
-from services.gateway import sglang
+from services.gateway.sampling import sglang
 
 log = logging.getLogger("tinkerd.gateway.engines")
 MISSING_RETRIES = 3

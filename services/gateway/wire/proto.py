@@ -33,7 +33,7 @@ import numpy.typing as npt
 from google.protobuf import descriptor, empty_pb2, unknown_fields
 from google.protobuf.message import DecodeError
 
-from services.gateway import tinker_public_pb2 as pb
+from services.gateway.wire import tinker_public_pb2 as pb
 
 
 class ProtoDecodeError(ValueError):

@@ -48,33 +48,33 @@ from libs.contracts.results import (
 from libs.contracts.results import (
     UnloadModelResponse as UnloadModelResponse,
 )
-from services.gateway import proto
-from services.gateway import tinker_public_pb2 as pb
-from services.gateway.admin_wire import (  # the account and admin schemas, defined once there
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_public_pb2 as pb
+from services.gateway.wire.admin_wire import (  # the account and admin schemas, defined once there
     AuthTokenResponse as AuthTokenResponse,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     CopyWeightsRequest as CopyWeightsRequest,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     CopyWeightsResponse as CopyWeightsResponse,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     SearchOwner as SearchOwner,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     SessionSearchCursor as SessionSearchCursor,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     SessionSearchRequest as SessionSearchRequest,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     SessionSearchResponse as SessionSearchResponse,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     SessionSummary as SessionSummary,
 )
-from services.gateway.admin_wire import (
+from services.gateway.wire.admin_wire import (
     TraceExportResponse as TraceExportResponse,
 )
 

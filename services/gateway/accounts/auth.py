@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.gateway.errors import Unauthorized
+from services.gateway.http.errors import Unauthorized
 
 
 class KeyEntry(msgspec.Struct):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import Overloaded
+from services.gateway.http.errors import Overloaded
 
 
 class Admission:

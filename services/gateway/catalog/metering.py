@@ -29,7 +29,7 @@ from libs.contracts.events import (
     RequestFailed,
     SessionEvent,
 )
-from services.gateway import admin_wire as a
+from services.gateway.wire import admin_wire as a
 
 HOUR_NS = 3_600 * 1_000_000_000
 TRAINING_KINDS = ("forward", "forward_backward")

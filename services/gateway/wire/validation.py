@@ -13,11 +13,11 @@ import numpy as np
 
 from libs.contracts.common import BusDatum, BusTensor
 from libs.contracts.loss_specs import LOSS_SPECS, unsupported_loss_error, validate_loss_request
-from services.gateway import proto
-from services.gateway import tinker_public_pb2 as pb
-from services.gateway import tinker_wire as w
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import BadRequest, PayloadTooLarge
+from services.gateway.http.errors import BadRequest, PayloadTooLarge
+from services.gateway.wire import proto
+from services.gateway.wire import tinker_public_pb2 as pb
+from services.gateway.wire import tinker_wire as w
 
 INT_INPUTS = frozenset({"target_tokens"})
 

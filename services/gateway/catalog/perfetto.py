@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 
-from services.gateway.metering import Slice
+from services.gateway.catalog.metering import Slice
 
 SEQUENCE_ID = 1
 SLICE_BEGIN, SLICE_END, INSTANT = 1, 2, 3

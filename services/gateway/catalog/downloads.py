@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-from services.gateway.catalog import within
-from services.gateway.errors import Forbidden, NotFound
+from services.gateway.catalog.catalog import within
+from services.gateway.http.errors import Forbidden, NotFound
 
 CHUNK = 1 << 20
 BLOCK = 512

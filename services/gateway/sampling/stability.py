@@ -30,9 +30,9 @@ from libs.contracts import subjects as s
 from libs.contracts.common import BusDatum, BusTensor, now_ns
 from libs.contracts.results import SampleResult
 from libs.contracts.sampling import SampleJob, SequenceRecord
-from services.gateway import proto
 from services.gateway.context import Gateway
-from services.gateway.errors import BadRequest
+from services.gateway.http.errors import BadRequest
+from services.gateway.wire import proto
 
 log = logging.getLogger("tinkerd.gateway.stability")
 

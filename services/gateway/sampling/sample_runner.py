@@ -41,9 +41,9 @@ from libs.contracts.records import InflightTarget, QueueRecord, SamplerRecord
 from libs.contracts.results import Failure, ResultBody, SampleResult
 from libs.contracts.sampling import SampleJob
 from libs.faults import crash_point
-from services.gateway import sglang, stability
 from services.gateway.context import Gateway
-from services.gateway.engines import Adapter
+from services.gateway.sampling import sglang, stability
+from services.gateway.sampling.engines import Adapter
 
 log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from libs.contracts import subjects as s
 from libs.contracts.records import CheckpointRecord, ModelRecord, SeqClaim
-from services.gateway.auth import Tenant
+from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.errors import Forbidden
+from services.gateway.http.errors import Forbidden
 
 
 async def check_live_models(gateway: Gateway, tenant: Tenant, model_id: str) -> None:
