@@ -16,6 +16,7 @@ import msgspec
 import nats.errors
 
 from libs.checkpoints import layout
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
@@ -42,7 +43,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
         parsed = TinkerPath.parse(path)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    if not s.is_valid_id(parsed.run):
+    if not ids.is_valid_id(parsed.run):
         raise NotFound(f"checkpoint {path!r} not found")
     check_name(parsed.name, "checkpoint name")
     return parsed.run, parsed.kind, parsed.name
@@ -150,7 +151,7 @@ def readable(record: CheckpointRecord, tenant: Tenant) -> bool:
 
 async def run_checkpoints(gateway: Gateway, run_id: str) -> list[CheckpointRecord]:
     """Every checkpoint of one training run, newest first."""
-    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=f"{s.token(run_id)}.")
+    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=f"{ids.token(run_id)}.")
     return sorted((r for _, r in found), key=lambda r: r.created_ns, reverse=True)
 
 
@@ -178,7 +179,7 @@ async def owned_checkpoint(
         if record.tenant != tenant.id:
             raise NotFound(f"checkpoint {path!r} not found")
         return key, record
-    model = await gateway.store.get(s.KV_MODELS, s.token(run), ModelRecord)
+    model = await gateway.store.get(s.KV_MODELS, ids.token(run), ModelRecord)
     if model is None or model.tenant != tenant.id:
         raise NotFound(f"checkpoint {path!r} not found")
     return key, None
@@ -227,7 +228,7 @@ async def visible_run(gateway: Gateway, tenant: Tenant, run_id: str, accessible:
     """One run as the caller may see it; 404 for a run that is unknown or not theirs (unless
     `accessible` and it has published checkpoints)."""
     model = (
-        await gateway.store.get(s.KV_MODELS, s.token(run_id), ModelRecord) if s.is_valid_id(run_id) else None
+        await gateway.store.get(s.KV_MODELS, ids.token(run_id), ModelRecord) if ids.is_valid_id(run_id) else None
     )
     if model is None:
         raise NotFound(f"training run {run_id!r} not found")

@@ -18,6 +18,7 @@ import msgspec
 import nats.js.errors
 
 from infra.bus import Bus
+from libs.contracts import ids
 from libs.contracts import subjects as s
 
 
@@ -36,7 +37,7 @@ class PlannerSnapshot(msgspec.Struct, frozen=True):
 
 
 def object_name(group: str) -> str:
-    return f"planner.{s.token(group)}"
+    return f"planner.{ids.token(group)}"
 
 
 async def load(bus: Bus, group: str) -> PlannerSnapshot | None:

@@ -29,7 +29,7 @@ from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import age, layout
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import CheckpointPublished
@@ -187,7 +187,7 @@ class PublisherService:
             )
             engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
             kv = await self.bus.kv(s.KV_SAMPLERS)
-            key = s.token(p.sampling_session_id)
+            key = ids.token(p.sampling_session_id)
             entry = await kv.get(key)
             sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
             sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
@@ -251,7 +251,7 @@ async def advance_inflight(bus: Bus, target: InflightTarget) -> bool:
     there already (a redelivered older publication never moves it back); compare-and-set, so
     concurrent publishers agree. True when it is the target now."""
     kv = await bus.kv(s.KV_INFLIGHT)
-    key, value = s.token(target.model_id), codec.to_json(target)
+    key, value = ids.token(target.model_id), codec.to_json(target)
     while True:
         try:
             entry = await kv.get(key)

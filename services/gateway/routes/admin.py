@@ -30,7 +30,7 @@ from litestar import Request, get, post
 
 from infra.bus import last_seq, replay
 from libs.checkpoints import layout
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import Audited, OperationEvent
@@ -304,7 +304,7 @@ async def session_trace_export(
     slices = metering.session_timeline(await read_events(gateway), tenant.id, session_id)
     payload = perfetto.encode(session_id, slices)
     digest = hashlib.sha256(payload).hexdigest()[:16]
-    relative = f"traces/{s.token(session_id)}-{digest}.pftrace"
+    relative = f"traces/{ids.token(session_id)}-{digest}.pftrace"
     await asyncio.to_thread(_write_trace, gateway.data_dir / relative, payload)
     base = gateway.config.public_url or str(request.base_url)
     url = downloads.signed_url(base, gateway.signing_secret, relative, int(time.time()) + TRACE_URL_S)
@@ -368,7 +368,7 @@ async def _copy_destination(
         project_id=data.destination_project_id,
         display_name=f"copy of {data.source_path}",
     )
-    await gateway.store.create(s.KV_SESSIONS, s.token(session_id), session, SessionRecord)
+    await gateway.store.create(s.KV_SESSIONS, ids.token(session_id), session, SessionRecord)
     return session_id, f"{session_id}:train:0"
 
 
@@ -401,7 +401,7 @@ async def copy_weights(
         unloaded=True,
         copy_of=source.tinker_path,
     )
-    created, existing = await gateway.store.create(s.KV_MODELS, s.token(run_id), model, ModelRecord)
+    created, existing = await gateway.store.create(s.KV_MODELS, ids.token(run_id), model, ModelRecord)
     if not created and (existing.tenant != tenant.id or existing.copy_of is None):
         raise BadRequest(f"training run {run_id} already exists; use another model_seq_id")
     segment = SEGMENT_OF_KIND[source.kind]
