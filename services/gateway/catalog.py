@@ -18,7 +18,7 @@ import nats.errors
 from libs.checkpoints import layout
 from libs.contracts import ids
 from libs.contracts import subjects as s
-from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
+from libs.contracts.ids import TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
 from services.gateway import tinker_wire as w
 from services.gateway.auth import Tenant
@@ -69,7 +69,7 @@ async def resolve_checkpoint(
         if kind == "training" and record.kind == "sampler":
             raise BadRequest(
                 f"{path} is a sampler export (weights only, PEFT format); training state is restored from "
-                "a save_state checkpoint (tinker://RUN/weights/NAME)"
+                f"a save_state checkpoint ({ids.path_shape('training')})"
             )
         raise BadRequest(f"{path} is not a {kind} checkpoint (it is {record.kind})")
     if not within(gateway.data_dir, Path(record.directory)):
@@ -116,7 +116,7 @@ def knows_external(headers: Mapping[str, str]) -> bool:
 def checkpoint_view(record: CheckpointRecord, external: bool = True) -> w.Checkpoint:
     kind = record.kind if external or record.kind != "external" else "sampler"
     return w.Checkpoint(
-        checkpoint_id=f"{SEGMENT_OF_KIND[record.kind]}/{record.name}",
+        checkpoint_id=ids.checkpoint_id(record.kind, record.name),
         checkpoint_type=kind,  # type: ignore[arg-type]
         time=at(record.created_ns),
         tinker_path=record.tinker_path,
@@ -151,7 +151,7 @@ def readable(record: CheckpointRecord, tenant: Tenant) -> bool:
 
 async def run_checkpoints(gateway: Gateway, run_id: str) -> list[CheckpointRecord]:
     """Every checkpoint of one training run, newest first."""
-    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=f"{ids.token(run_id)}.")
+    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=ids.run_checkpoints_prefix(run_id))
     return sorted((r for _, r in found), key=lambda r: r.created_ns, reverse=True)
 
 
@@ -171,7 +171,7 @@ async def owned_checkpoint(
 
     A missing record of a run the caller owns is (key, None), so deletes stay idempotent.
     """
-    path = f"{SCHEME}{run_id}/{checkpoint_id}"
+    path = ids.unchecked_path(run_id, checkpoint_id)
     run, kind, name = parse_tinker_path(path)
     key = checkpoint_key(run, kind, name)
     record = await gateway.store.get(s.KV_CHECKPOINTS, key, CheckpointRecord)

@@ -75,7 +75,7 @@ class SampleRunner:
 
     async def _on_cancel(self, msg: Msg) -> None:
         """A sample was cancelled (on any replica): stop it here if this replica runs it."""
-        request_id = ids.untoken(msg.subject.removeprefix("tinker.cancel."))
+        request_id = s.cancel_request_id(msg.subject)
         task = self.running.get(request_id)
         if task is not None:
             self.cancelled.add(request_id)

@@ -34,7 +34,7 @@ from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import Audited, OperationEvent
-from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, checkpoint_key
+from libs.contracts.ids import checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord, SessionRecord
 from services.gateway import admin_wire as a
 from services.gateway import downloads, jwt_auth, metering, perfetto
@@ -82,9 +82,7 @@ async def audit(
 ) -> None:
     """Record who did what; awaited, so the audit log shows a change once its call has returned
     (an event-log outage costs the entry, never the operation: `Bus.emit` only logs)."""
-    model_id = ""
-    if subject.startswith(SCHEME):
-        model_id = subject[len(SCHEME) :].split("/", 1)[0]
+    model_id, _ = ids.split_path(subject)
     await gateway.bus.emit(
         Audited(
             resource=resource,
@@ -159,7 +157,7 @@ async def billing_checkpoint_storage(
     for _, record in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
         if record.tenant != tenant.id:
             continue
-        project = projects.get(metering.session_of(record.training_run_id) or "")
+        project = projects.get(ids.session_of(record.training_run_id) or "")
         if project_id is not None and project != project_id:
             continue
         groups.setdefault(project, []).append(record.size_bytes)
@@ -248,7 +246,7 @@ async def search_sessions(
     checkpoints: dict[str, list[int]] = {}
     for _, checkpoint in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
         if checkpoint.tenant == tenant.id:
-            checkpoints.setdefault(metering.session_of(checkpoint.training_run_id) or "", []).append(
+            checkpoints.setdefault(ids.session_of(checkpoint.training_run_id) or "", []).append(
                 checkpoint.size_bytes
             )
     page: list[a.SessionSummary] = []
@@ -304,7 +302,7 @@ async def session_trace_export(
     slices = metering.session_timeline(await read_events(gateway), tenant.id, session_id)
     payload = perfetto.encode(session_id, slices)
     digest = hashlib.sha256(payload).hexdigest()[:16]
-    relative = f"traces/{ids.token(session_id)}-{digest}.pftrace"
+    relative = layout.trace_file(session_id, digest)
     await asyncio.to_thread(_write_trace, gateway.data_dir / relative, payload)
     base = gateway.config.public_url or str(request.base_url)
     url = downloads.signed_url(base, gateway.signing_secret, relative, int(time.time()) + TRACE_URL_S)
@@ -351,7 +349,7 @@ async def _copy_destination(
         if data.session_id is None or data.model_seq_id is None or data.model_seq_id < 0:
             raise BadRequest("copy_weights: session_id and model_seq_id (>= 0) go together")
         await owned_session(gateway, tenant, data.session_id)
-        return data.session_id, f"{data.session_id}:train:{data.model_seq_id}"
+        return data.session_id, ids.model_id(data.session_id, data.model_seq_id)
     if not data.destination_project_id:
         raise BadRequest("copy_weights needs destination_project_id, or session_id and model_seq_id")
     # A new session per copy; the SDK's idempotency key makes a retried call land on the same one.
@@ -369,7 +367,7 @@ async def _copy_destination(
         display_name=f"copy of {data.source_path}",
     )
     await gateway.store.create(s.KV_SESSIONS, ids.token(session_id), session, SessionRecord)
-    return session_id, f"{session_id}:train:0"
+    return session_id, ids.model_id(session_id, 0)
 
 
 @post("/api/v1/copy_weights", status_code=200, operation_id="copy_weights")
@@ -404,9 +402,8 @@ async def copy_weights(
     created, existing = await gateway.store.create(s.KV_MODELS, ids.token(run_id), model, ModelRecord)
     if not created and (existing.tenant != tenant.id or existing.copy_of is None):
         raise BadRequest(f"training run {run_id} already exists; use another model_seq_id")
-    segment = SEGMENT_OF_KIND[source.kind]
-    path = f"{SCHEME}{run_id}/{segment}/{source.name}"
-    version = layout.versions_dir(gateway.data_dir, run_id, source.kind) / f"{source.name}@copy"
+    path = ids.tinker_path(run_id, source.kind, source.name)
+    version = layout.version_dir(gateway.data_dir, run_id, source.kind, source.name, "copy")
     if not within(gateway.data_dir, version):
         raise BadRequest(f"cannot copy {data.source_path} into run {run_id}")
     size = await asyncio.to_thread(link_tree, Path(source.directory), version)

@@ -103,7 +103,7 @@ async def join_sampling_session(
 ) -> w.JoinSamplingSessionResponse:
     await owned_sampler(gateway, tenant, data.sampling_session_id)
     kv = await gateway.bus.kv(s.KV_SAMPLE_SEQ)
-    revision = await kv.put(f"{ids.token(data.sampling_session_id)}.clones", b"1")
+    revision = await kv.put(ids.clones_key(data.sampling_session_id), b"1")
     return w.JoinSamplingSessionResponse(client_counter=int(revision))
 
 
