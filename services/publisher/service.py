@@ -45,7 +45,6 @@ from libs.contracts.results import (
 )
 from libs.faults import crash_point
 from services.publisher.config import PublisherConfig
-from services.publisher.naming import adapter_name
 
 log = logging.getLogger("tinkerd.publisher")
 
@@ -86,8 +85,8 @@ class PublisherService:
         await ensure_durable(self.bus, durable.stream, durable.config)
 
     async def run(self, stop: asyncio.Event) -> None:
-        layout.clean_temporaries(self.data_dir / "checkpoints")
-        layout.clean_temporaries(self.data_dir / "samplers")
+        layout.clean_temporaries(layout.checkpoints_root(self.data_dir))
+        layout.clean_temporaries(layout.samplers_root(self.data_dir))
         sub = await self.bus.pull(s.PUBLISH_ALL, s.DURABLE_PUBLISHER, s.STREAM_PUBLISH)
         log.info("publisher ready (data dir %s)", self.data_dir)
         reaper = asyncio.create_task(self._reap(stop))
@@ -150,7 +149,7 @@ class PublisherService:
             # sampler export to external_weights/)
             path = TinkerPath.parse(p.tinker_path)
             run, kind, name = path.run, path.kind, path.name
-            version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
+            version_dir = layout.version_dir(self.data_dir, run, kind, name, p.version)
             source = staging if staging.exists() else None
             if source is not None and p.age_recipients and not version_dir.exists():
                 source = await asyncio.to_thread(_encrypted, staging, p.age_recipients)
@@ -159,7 +158,7 @@ class PublisherService:
             await asyncio.to_thread(
                 layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
             )
-            engine_name = adapter_name(run, name, p.version)
+            engine_name = ids.adapter_name(run, name, p.version)
             record = CheckpointRecord(
                 tinker_path=p.tinker_path,
                 training_run_id=run,
@@ -185,7 +184,7 @@ class PublisherService:
             await asyncio.to_thread(
                 layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
             )
-            engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
+            engine_name = ids.adapter_name(p.sampling_session_id, "ephemeral", p.version)
             kv = await self.bus.kv(s.KV_SAMPLERS)
             key = ids.token(p.sampling_session_id)
             entry = await kv.get(key)
