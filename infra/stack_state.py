@@ -21,7 +21,6 @@ from pathlib import Path
 import msgspec
 
 STARTING, UP, RESTARTING, STOPPED, FAILED = "starting", "up", "restarting", "stopped", "failed"
-STATE_FILE = "stack.json"
 
 
 class ServiceState(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from infra.natsd import NatsCluster, NatsServer
 from infra.net import ANNOUNCED
+from libs.checkpoints import layout
 from tests.netutil import unused_port
 from tinkerd.supervisor import (
     NATS,
@@ -28,9 +29,7 @@ from tinkerd.supervisor import (
     SERVICES,
     SupervisedNats,
     Supervisor,
-    announce_path,
     gateway_names,
-    run_dir_of,
     service_of,
 )
 
@@ -128,7 +127,7 @@ class Stack:
         else:
             self.supervised_nats = SupervisedNats(self.data_dir / "nats")
             self.supervised_nats.start()
-        run_dir = run_dir_of(self.data_dir)
+        run_dir = layout.run_dir(self.data_dir)
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -140,7 +139,7 @@ class Stack:
             "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
             "TINKERD_GATEWAY_PORT": "0",  # every HTTP service binds a port of the kernel's choice
             "TINKERD_SAMPLER_PORT": "0",
-            "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{announce_path(run_dir, 'sampler')}",
+            "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{layout.announce_file(run_dir, 'sampler')}",
             "TINKERD_LOG_LEVEL": "INFO",
             "TINKER_TELEMETRY": "0",
             "TINKERD_NUM_SLOTS": "16",  # planner and trainer agree on the slot pool

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL
+from libs.checkpoints import layout
 
 
 def _nats_url(args: argparse.Namespace) -> str:
     """--nats, else TINKERD_NATS_URL, else the server `tinkerd up` started for this data dir."""
     if args.nats or os.environ.get("TINKERD_NATS_URL"):
         return str(args.nats or os.environ["TINKERD_NATS_URL"])
-    written = Path(os.environ.get("TINKERD_DATA_DIR", DEFAULT_DATA_DIR)) / "nats.url"
+    written = layout.nats_url_file(Path(os.environ.get("TINKERD_DATA_DIR", DEFAULT_DATA_DIR)))
     return written.read_text().strip() if written.exists() else DEFAULT_NATS_URL
 
 
@@ -66,11 +67,9 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from infra.stack_state import STATE_FILE
-    from tinkerd.supervisor import run_dir_of
     from tinkerd.watch import print_status
 
-    state_file = run_dir_of(Path(args.data_dir).expanduser().resolve()) / STATE_FILE
+    state_file = layout.stack_state_file(layout.run_dir(Path(args.data_dir).expanduser().resolve()))
     asyncio.run(print_status(_nats_url(args), state_file))
     return 0
 

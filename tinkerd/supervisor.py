@@ -37,6 +37,7 @@ from infra.config import DEFAULT_DATA_DIR
 from infra.natsd import NatsServer, start_nats
 from infra.net import ANNOUNCED, BIND_FAILED_EXIT, BIND_FAILED_PREFIX, BindError, read_announcement
 from infra.stack_state import service_of
+from libs.checkpoints import layout
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
@@ -71,16 +72,6 @@ PORT_VARS = {"gateway": "TINKERD_GATEWAY_PORT", "sampler": "TINKERD_SAMPLER_PORT
 """The HTTP services, by the variable of the port they bind (0: the kernel picks one)."""
 MAX_BIND_FAILURES = 3
 """Attempts to bind a configured address before the supervisor gives up and the stack stops."""
-
-
-def run_dir_of(data_dir: Path) -> Path:
-    """Where liveness files, address announcements and the stack state live."""
-    return data_dir / "run"
-
-
-def announce_path(run_dir: Path, child: str) -> Path:
-    """The file where child `child` announces the address it bound."""
-    return run_dir / f"{child}.addr"
 
 
 def _prefix(name: str) -> str:
@@ -146,7 +137,7 @@ def with_base_samplers(env: dict[str, str]) -> tuple[dict[str, str], dict[str, d
         path = resolve_base_model(base, data_dir).path
         child = f"sampler@{child_label(base)}"
         children[child] = {"TINKERD_SAMPLER_MODEL_PATH": str(path), "TINKERD_SAMPLER_PORT": "0"}
-        entries.append(f"{base}={ANNOUNCED}{announce_path(run_dir_of(data_dir.resolve()), child)}")
+        entries.append(f"{base}={ANNOUNCED}{layout.announce_file(layout.run_dir(data_dir.resolve()), child)}")
     return {**env, "TINKERD_GATEWAY_BASE_SAMPLER_URLS": ",".join(entries)}, children
 
 
@@ -282,16 +273,16 @@ class Supervisor:
             child.chosen_port = child.port_var is not None and child.env.get(child.port_var) == "0"
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.state_file = run_dir / st.STATE_FILE
+            self.state_file = layout.stack_state_file(run_dir)
             for child in self.children.values():
-                child.liveness = run_dir / f"{child.name}.alive"
+                child.liveness = layout.liveness_file(run_dir, child.name)
                 child.env = {
                     **child.env,
                     "TINKERD_LIVENESS_FILE": str(child.liveness),
                     "TINKERD_STACK_STATE_FILE": str(self.state_file),
                 }
                 if child.port_var is not None:
-                    child.announce = announce_path(run_dir, child.name)
+                    child.announce = layout.announce_file(run_dir, child.name)
                     child.env["TINKERD_ANNOUNCE_FILE"] = str(child.announce)
         self._print_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -568,14 +559,14 @@ def up(
     model = resolve_base_model(base_model, data_dir)  # builds the embedded tiny model if missing
     nats: SupervisedNats | None = None
     if nats_url is None:
-        nats = SupervisedNats(data_dir / "nats", log_sink=data_dir / "nats.log")
+        nats = SupervisedNats(layout.nats_store_dir(data_dir), log_sink=layout.nats_log_file(data_dir))
         server = nats.start()
         nats_url = server.url
-        (data_dir / "nats.url").write_text(nats_url)  # for `tinkerd status` / `tinkerd events`
+        layout.nats_url_file(data_dir).write_text(nats_url)  # for `tinkerd status` / `tinkerd events`
         print(
-            f"{_prefix('nats')}nats-server {server.url} (monitor {server.monitor_url}, store {data_dir / 'nats'})"
+            f"{_prefix('nats')}nats-server {server.url} (monitor {server.monitor_url}, store {layout.nats_store_dir(data_dir)})"
         )
-    run_dir = run_dir_of(data_dir)
+    run_dir = layout.run_dir(data_dir)
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -587,7 +578,7 @@ def up(
         "TINKERD_GATEWAY_HOST": host,
         "TINKERD_GATEWAY_PORT": str(port),
         "TINKERD_SAMPLER_PORT": "0",  # the sampler binds a port of the kernel's choice and announces it
-        "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{announce_path(run_dir, 'sampler')}",
+        "TINKERD_SAMPLER_URL": f"{ANNOUNCED}{layout.announce_file(run_dir, 'sampler')}",
         **(extra_env or {}),
     }
     extra = sorted({base for _, base in trainer_groups(env) if base and base != base_model})

@@ -4,12 +4,17 @@
     DATA/checkpoints/<run>/<segment>/.versions/<name>@<version>/   immutable contents
     DATA/samplers/<sampler>/<version>/                 an ephemeral sampler export
     DATA/staging/<unit>-<request>/                     a save's files, before the publisher takes them
-    DATA/trainer/<group>/paged/                        a group's page store (paged-out models)
-    DATA/trainer/<group>/snapshots/                    a group's internal snapshots
+    DATA/trainer/<group>/paged/<model>.safetensors     a group's page store (paged-out models)
+    DATA/trainer/<group>/snapshots/<work_seq>/         a group's internal snapshots
     DATA/trainer/exports/<model>/<unit>.safetensors    a page-out's export (another group may page it in)
     DATA/trainer/adopted/<model>/<unit>.safetensors    a takeover's rebuilt state
+    DATA/traces/<session>-<digest>.pftrace             a session's exported trace (a signed download)
+    DATA/models/<name>/                                named base models (the embedded tiny ones are built here)
+    DATA/run/                                          `tinkerd up`: stack.json, <child>.addr, <child>.alive
+    DATA/nats/, DATA/nats.log, DATA/nats.url           `tinkerd up`: the embedded nats-server's store, log and URL
 
-Ids in names go through `ids.token` (`:` becomes `=`). Nothing else builds these paths.
+Ids in names go through `ids.token` (`:` becomes `=`) and the segment is `ids.SEGMENT_OF_KIND`'s.
+Nothing else builds these paths (`tests/infra/test_vocabulary.py` checks it).
 
 A version directory is written under a temporary name, every file and the directory are fsynced,
 then it is renamed into place; only then is the public name switched, by renaming a fresh symlink
@@ -26,10 +31,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from libs.contracts.ids import token
+from libs.contracts.ids import SEGMENT_OF_KIND, token
 from libs.faults import crash_point, service_point
-
-SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 
 
 class StreamedFile(Protocol):
@@ -43,32 +46,58 @@ class StreamedFile(Protocol):
 FileData = bytes | StreamedFile
 
 
-def _fs_token(value: str) -> str:
-    return value.replace(":", "=")
+def checkpoints_root(data_dir: Path) -> Path:
+    """Every named checkpoint of every run (the publisher cleans its leftovers on start)."""
+    return data_dir / "checkpoints"
 
 
 def public_path(data_dir: Path, run_id: str, kind: str, name: str) -> Path:
-    return data_dir / "checkpoints" / _fs_token(run_id) / SEGMENT[kind] / name
+    return checkpoints_root(data_dir) / token(run_id) / SEGMENT_OF_KIND[kind] / name
 
 
 def versions_dir(data_dir: Path, run_id: str, kind: str) -> Path:
-    return data_dir / "checkpoints" / _fs_token(run_id) / SEGMENT[kind] / ".versions"
+    return checkpoints_root(data_dir) / token(run_id) / SEGMENT_OF_KIND[kind] / ".versions"
+
+
+def version_dir(data_dir: Path, run_id: str, kind: str, name: str, version: str) -> Path:
+    """One immutable version of a named checkpoint (`version`: the save's, or `copy` for copy_weights)."""
+    return versions_dir(data_dir, run_id, kind) / f"{name}@{version}"
+
+
+def samplers_root(data_dir: Path) -> Path:
+    """Every ephemeral sampler export (the publisher cleans its leftovers on start)."""
+    return data_dir / "samplers"
 
 
 def ephemeral_dir(data_dir: Path, sampler_id: str, version: str) -> Path:
-    return data_dir / "samplers" / _fs_token(sampler_id) / version
+    return samplers_root(data_dir) / token(sampler_id) / version
 
 
 def staging_dir(data_dir: Path, unit_id: str, request_id: str) -> Path:
-    return data_dir / "staging" / f"{unit_id}-{_fs_token(request_id)}"
+    return data_dir / "staging" / f"{unit_id}-{token(request_id)}"
 
 
 def page_store_dir(data_dir: Path, group: str) -> Path:
     return data_dir / "trainer" / group / "paged"
 
 
+def paged_file(page_store: Path, model_id: str) -> Path:
+    """A paged-out model's file in a group's page store (`page_store_dir`)."""
+    return page_store / f"{token(model_id)}.safetensors"
+
+
 def trainer_snapshots_dir(data_dir: Path, group: str) -> Path:
     return data_dir / "trainer" / group / "snapshots"
+
+
+def trainer_snapshot_dir(data_dir: Path, group: str, work_seq: int) -> Path:
+    """The internal snapshot of a group taken after work-stream sequence `work_seq`."""
+    return trainer_snapshots_dir(data_dir, group) / f"{work_seq:012d}"
+
+
+def snapshot_paged_name(model_id: str) -> str:
+    """The name, within one internal snapshot, of a paged-out model's state."""
+    return f"paged-{token(model_id)}.safetensors"
 
 
 def export_file(model_id: str, unit_id: str) -> str:
@@ -81,6 +110,51 @@ def export_file(model_id: str, unit_id: str) -> str:
 def adopted_file(data_dir: Path, model_id: str, unit_id: str) -> Path:
     """The state a takeover unit rebuilt for `model_id`, written before its outcome."""
     return data_dir / "trainer" / "adopted" / token(model_id) / f"{unit_id}.safetensors"
+
+
+def trace_file(session_id: str, digest: str) -> str:
+    """A session's exported trace, relative to the data root (a signed download URL names it)."""
+    return f"traces/{token(session_id)}-{digest}.pftrace"
+
+
+def models_root(data_dir: Path | str) -> Path:
+    """Directory that holds named base models (one directory each, by short name)."""
+    return Path(data_dir) / "models"
+
+
+def run_dir(data_dir: Path) -> Path:
+    """Where `tinkerd up` keeps liveness files, address announcements and the stack state."""
+    return data_dir / "run"
+
+
+def announce_file(run: Path, child: str) -> Path:
+    """The file where child `child` of `tinkerd up` announces the address it bound (in `run_dir`)."""
+    return run / f"{child}.addr"
+
+
+def liveness_file(run: Path, child: str) -> Path:
+    """The file child `child` of `tinkerd up` touches while it is alive (in `run_dir`)."""
+    return run / f"{child}.alive"
+
+
+def stack_state_file(run: Path) -> Path:
+    """The supervisor's view of its stack (`infra/stack_state.py`), in `run_dir`."""
+    return run / "stack.json"
+
+
+def nats_store_dir(data_dir: Path) -> Path:
+    """The JetStream store of the nats-server `tinkerd up` starts."""
+    return data_dir / "nats"
+
+
+def nats_log_file(data_dir: Path) -> Path:
+    """That nats-server's log."""
+    return data_dir / "nats.log"
+
+
+def nats_url_file(data_dir: Path) -> Path:
+    """That nats-server's client URL, for `tinkerd status` and `tinkerd events`."""
+    return data_dir / "nats.url"
 
 
 def fsync_dir(path: Path) -> None:

@@ -6,10 +6,16 @@
 - Request ids are `{owner}:{seq_id}` (owner: a model or a sampling session), taken from the SDK's
   own coordinates so every gateway replica, the planner and the publisher agree on them without
   asking anyone; a model's lifecycle unload is `{model}:unload`.
-- `token()` turns an id into one NATS subject token or KV key (`:` becomes `=`).
+- `token()` turns an id into one NATS subject token or KV key: `:` becomes `=` (JetStream KV keys
+  may not contain `:`, and no id contains `=`, so the mapping is reversible).
 - Checkpoints are addressed as `tinker://{run}/{segment}/{name}`; the segment names the kind
   (`weights`: a training checkpoint, `sampler_weights`: a sampler export, `external_weights`: a
-  PEFT export for download), and the catalogue keys them `{token(run)}.{kind}.{name}`.
+  PEFT export for download), `{segment}/{name}` is the SDK's `checkpoint_id`, and the catalogue
+  keys them `{token(run)}.{kind}.{name}`. A sampling engine knows a sampler export's version as
+  `{token(owner)}.{name}.{version}`.
+
+Nothing outside this module spells these shapes (`tests/infra/test_vocabulary.py` checks it);
+paths under the data directory are `libs/checkpoints/layout.py`'s.
 """
 
 from __future__ import annotations
@@ -53,6 +59,18 @@ def model_id(session_id: str, model_seq_id: int) -> str:
 def sampler_id(session_id: str, sampling_seq_id: int) -> str:
     """The id of a session's sampling session number `sampling_seq_id`."""
     return f"{session_id}:sample:{sampling_seq_id}"
+
+
+def session_of(entity_id: str) -> str | None:
+    """The session an id was minted under (`s-abc:train:0`, `s-abc:sample:3` and their request
+    ids -> `s-abc`); None for anything else."""
+    head, sep, _ = entity_id.partition(":")
+    return head if sep and head else None
+
+
+def session_prefix(session_id: str) -> str:
+    """The prefix of every id minted under a session: its models, samplers and their requests."""
+    return f"{session_id}:"
 
 
 def session_models_prefix(session_id: str) -> str:
@@ -116,6 +134,53 @@ def checkpoint_key(run: str, kind: str, name: str) -> str:
     return f"{token(run)}.{kind}.{name}"
 
 
+def run_checkpoints_prefix(run: str) -> str:
+    """The key prefix, in `tinker_checkpoints`, of every checkpoint of one training run."""
+    return f"{token(run)}."
+
+
+def adapter_name(owner: str, name: str, version: str) -> str:
+    """The name a sampling engine knows one version of a sampler export by (`owner`: the training
+    run, or the sampling session of an ephemeral export): unique per immutable version, so a name
+    never changes weights."""
+    return f"{token(owner)}.{name}.{version}"
+
+
+def planner_snapshot_name(group: str) -> str:
+    """The planner's snapshot object in `tinker_snapshots`, named by its trainer group."""
+    return f"planner.{token(group)}"
+
+
+def checkpoint_id(kind: str, name: str) -> str:
+    """The SDK's `checkpoint_id` of a checkpoint within its run: `{segment}/{name}`."""
+    return f"{SEGMENT_OF_KIND[kind]}/{name}"
+
+
+def is_tinker_path(value: str) -> bool:
+    """True when `value` is spelled as a `tinker://` path (whether or not it names a checkpoint)."""
+    return value.startswith(SCHEME)
+
+
+def unchecked_path(run: str, *parts: str) -> str:
+    """`tinker://{run}/{parts...}` as given (a route's pieces, not checked yet): `TinkerPath.parse`
+    reads it back and refuses anything that is not a checkpoint's path."""
+    return SCHEME + "/".join((run, *parts))
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """(run, checkpoint id) of a `tinker://` path, read without checking the segment or the name;
+    ("", "") when `path` is not spelled as one."""
+    if not is_tinker_path(path):
+        return "", ""
+    run, _, rest = path[len(SCHEME) :].partition("/")
+    return run, rest
+
+
+def path_shape(kind: str) -> str:
+    """What the paths of one kind look like, for messages: `tinker://RUN/weights/NAME`."""
+    return unchecked_path("RUN", SEGMENT_OF_KIND[kind], "NAME")
+
+
 class TinkerPath(msgspec.Struct, frozen=True):
     """`tinker://{run}/{segment}/{name}`, with `kind` the catalogue's name for the segment."""
 
@@ -124,7 +189,7 @@ class TinkerPath(msgspec.Struct, frozen=True):
     name: str
 
     def __str__(self) -> str:
-        return f"{SCHEME}{self.run}/{SEGMENT_OF_KIND[self.kind]}/{self.name}"
+        return unchecked_path(self.run, checkpoint_id(self.kind, self.name))
 
     @property
     def key(self) -> str:
@@ -144,4 +209,5 @@ class TinkerPath(msgspec.Struct, frozen=True):
 
 
 def tinker_path(run: str, kind: str, name: str) -> str:
+    """The `tinker://` path of checkpoint `name` of kind `kind` of `run`."""
     return str(TinkerPath(run, kind, name))

@@ -1,18 +1,14 @@
 """Every JetStream stream, subject, durable consumer and KV bucket Tinkerd uses, named in one place.
 
 Subjects are built only by the functions below so that a grep for a subject finds its one owner.
-Ids that become subject tokens or KV keys are minted by Tinkerd (`[A-Za-z0-9_:-]`). JetStream KV keys
-may not contain `:`, which the SDK's model ids (`{session}:train:{n}`) do, so `token()` maps `:` to `=`
-(a character no id contains): the mapping is reversible and the same for subjects and keys.
+Ids that become subject tokens are minted by Tinkerd (`[A-Za-z0-9_:-]`) and go through
+`ids.token` (`:` becomes `=`), the same mapping as KV keys; ids, keys and their tokens are
+`libs/contracts/ids.py`'s.
 """
 
 from __future__ import annotations
 
-# Identities live in ids.py; re-exported here, where subjects and keys are built from them.
-from libs.contracts.ids import is_valid_id as is_valid_id
-from libs.contracts.ids import seq_key as seq_key
-from libs.contracts.ids import token as token
-from libs.contracts.ids import untoken as untoken
+from libs.contracts import ids
 
 # --- streams -------------------------------------------------------------------------------------
 STREAM_REQUESTS = "TINKER_REQUESTS"
@@ -52,7 +48,7 @@ DURABLE_SAMPLE_RUNNERS = "gateway-samplers"
 
 def durable_trainer(group: str) -> str:
     """The durable work consumer of one trainer group (all ranks of one TP group share it)."""
-    return f"trainer-{token(group)}"
+    return f"trainer-{ids.token(group)}"
 
 
 # --- KV buckets ----------------------------------------------------------------------------------
@@ -101,23 +97,23 @@ ALL_BUCKETS = (
 
 def request_subject(model_id: str) -> str:
     """The per-model subject that carries a model's accepted commands in seq_id order."""
-    return f"tinker.req.{token(model_id)}"
+    return f"tinker.req.{ids.token(model_id)}"
 
 
 def work_subject(group: str) -> str:
-    return f"tinker.work.{token(group)}"
+    return f"tinker.work.{ids.token(group)}"
 
 
 def outcome_subject(group: str) -> str:
-    return f"tinker.outcome.{token(group)}"
+    return f"tinker.outcome.{ids.token(group)}"
 
 
 def publish_subject(model_id: str) -> str:
-    return f"tinker.publish.{token(model_id)}"
+    return f"tinker.publish.{ids.token(model_id)}"
 
 
 def result_subject(request_id: str) -> str:
-    return f"tinker.result.{token(request_id)}"
+    return f"tinker.result.{ids.token(request_id)}"
 
 
 CANCEL_ALL = "tinker.cancel.>"
@@ -125,18 +121,23 @@ CANCEL_ALL = "tinker.cancel.>"
 
 
 def cancel_subject(request_id: str) -> str:
-    return f"tinker.cancel.{token(request_id)}"
+    return f"tinker.cancel.{ids.token(request_id)}"
+
+
+def cancel_request_id(subject: str) -> str:
+    """The request id a cancel subject names (the inverse of `cancel_subject`)."""
+    return ids.untoken(subject.removeprefix("tinker.cancel."))
 
 
 def sample_subject(sampler_id: str) -> str:
-    return f"tinker.sample.{token(sampler_id)}"
+    return f"tinker.sample.{ids.token(sampler_id)}"
 
 
 def stability_subject(sequence_id: str) -> str:
     """The subject of one recorded sequence (`sequence_id` must be a valid id: `is_valid_id`)."""
-    return f"tinker.stability.{token(sequence_id)}"
+    return f"tinker.stability.{ids.token(sequence_id)}"
 
 
 def event_subject(kind: str, model_id: str | None) -> str:
     """`tinker.events.<kind>.<model or _>`: filter by kind, by model, or watch everything."""
-    return f"tinker.events.{token(kind)}.{token(model_id) if model_id else '_'}"
+    return f"tinker.events.{ids.token(kind)}.{ids.token(model_id) if model_id else '_'}"

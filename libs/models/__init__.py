@@ -12,7 +12,6 @@ from libs.models.registry import (
     UnknownBaseModel,
     UnsupportedArchitecture,
     ensure_tiny,
-    models_root,
     resolve_base_model,
 )
 from libs.models.tiny import PRESETS, build_tiny
@@ -26,6 +25,5 @@ __all__ = [
     "UnsupportedArchitecture",
     "build_tiny",
     "ensure_tiny",
-    "models_root",
     "resolve_base_model",
 ]

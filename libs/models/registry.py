@@ -4,8 +4,8 @@ A name is one of:
 
 * a short name from ``SHORT_NAMES`` (``"tiny-qwen3"``, ``"tiny-llama"``) or its
   Hub-style alias (``"tinkerd/tiny-qwen3"``, ``"tinkerd/tiny-llama"``), looked up
-  as ``models_root(data_dir) / <short name>`` (built there on demand);
-* the name of any directory under ``models_root(data_dir)`` holding a
+  as ``layout.models_root(data_dir) / <short name>`` (built there on demand);
+* the name of any directory under ``layout.models_root(data_dir)`` holding a
   ``config.json``;
 * a path (absolute, ``~``-prefixed or relative to the working directory) to a
   directory holding a ``config.json``.
@@ -26,10 +26,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.checkpoints import layout
 from libs.models.tiny import PRESETS, build_tiny
 
 # Short name -> Hub-style alias.  The short name is the canonical id and the
-# directory name under ``models_root``.
+# directory name under ``layout.models_root``.
 SHORT_NAMES: dict[str, str] = {
     "tiny-qwen3": "tinkerd/tiny-qwen3",
     "tiny-llama": "tinkerd/tiny-llama",
@@ -67,17 +68,12 @@ class ResolvedModel:
     max_context: int
 
 
-def models_root(data_dir: Path) -> Path:
-    """Directory that holds named base models: ``data_dir / "models"``."""
-    return Path(data_dir) / "models"
-
-
 def _is_complete(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file()
 
 
 def ensure_tiny(data_dir: Path, preset: str = "tiny-qwen3") -> Path:
-    """Return ``models_root(data_dir) / preset``, building it first if missing.
+    """Return ``layout.models_root(data_dir) / preset``, building it first if missing.
 
     The build goes into a temporary directory beside the target and is moved in
     with ``os.replace``, so readers never see a partial model.  If two processes
@@ -86,7 +82,7 @@ def ensure_tiny(data_dir: Path, preset: str = "tiny-qwen3") -> Path:
     """
     if preset not in PRESETS:
         raise UnknownBaseModel(preset, known=list(PRESETS), reason="not a tiny preset")
-    root = models_root(data_dir)
+    root = layout.models_root(data_dir)
     target = root / preset
     if _is_complete(target):
         return target
@@ -137,13 +133,13 @@ def _looks_like_path(name: str) -> bool:
 def resolve_base_model(name: str, data_dir: Path, *, build_missing: bool = True) -> ResolvedModel:
     """Resolve ``name`` (short name, ``tinkerd/...`` alias or directory path).
 
-    Short names and aliases resolve to ``models_root(data_dir) / <short name>``;
+    Short names and aliases resolve to ``layout.models_root(data_dir) / <short name>``;
     with ``build_missing`` (the default) a missing tiny model is built there via
     ``ensure_tiny``.  Raises ``UnknownBaseModel`` for anything else, and
     ``UnsupportedArchitecture`` when a directory holds a model that is neither
     Qwen3 nor Llama.
     """
-    root = models_root(data_dir)
+    root = layout.models_root(data_dir)
     short = ALIASES.get(name, name)
     if short in SHORT_NAMES:
         target = root / short

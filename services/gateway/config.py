@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, from_env
+from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, MAX_LORA_RANK, from_env
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,7 +57,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """For an embedded model (tiny-qwen3, tiny-llama): put its tokenizer in the local Hugging Face
     cache under its names, so `SamplingClient.get_tokenizer()` works on this machine."""
 
-    max_lora_rank: int = 64
+    max_lora_rank: int = MAX_LORA_RANK.default
     max_datums_per_request: int = 1024
     max_tokens_per_datum: int = 8192
     max_request_bytes: int = 5_000_000

@@ -51,7 +51,7 @@ async def create_model(
         create_request_id=ids.request_id(model_id, 0),
         user_metadata=user_metadata,
     )
-    created, existing = await gateway.store.create(s.KV_MODELS, s.token(model_id), record, ModelRecord)
+    created, existing = await gateway.store.create(s.KV_MODELS, ids.token(model_id), record, ModelRecord)
     if not created and (existing.tenant != tenant.id or existing.lora != lora):
         raise Conflict(
             f"model_seq_id {model_seq_id} of session {session_id} already created a different model"

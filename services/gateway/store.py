@@ -13,8 +13,7 @@ import msgspec
 import nats.js.errors
 
 from infra.bus import Bus, kv_scan
-from libs.contracts import codec
-from libs.contracts import subjects as s
+from libs.contracts import codec, ids
 from services.gateway.http.errors import NotFound
 
 T = TypeVar("T")
@@ -48,7 +47,7 @@ class Store:
 
         Unknown and foreign are the same answer on purpose: existence is never leaked.
         """
-        record = await self.get(bucket, s.token(record_id), type_) if s.is_valid_id(record_id) else None
+        record = await self.get(bucket, ids.token(record_id), type_) if ids.is_valid_id(record_id) else None
         if record is None or record.tenant != tenant_id:
             raise NotFound(f"{what} {record_id!r} not found")
         return record

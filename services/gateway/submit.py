@@ -217,7 +217,7 @@ async def append(
     existing, fresh = await claim_and_append(
         gateway,
         s.KV_SEQ,
-        s.seq_key(model_id, seq_id),
+        ids.seq_key(model_id, seq_id),
         claim,
         TrainingReservation(gateway, tenant.id, model_id, seq_id, request_id),
         publish,
@@ -315,5 +315,5 @@ async def unload(gateway: Gateway, model: ModelRecord) -> str:
     await gateway.bus.publish(s.request_subject(model.model_id), codec.pack(command), msg_id=request_id)
     if not model.unloaded:
         model.unloaded = True
-        await gateway.store.put(s.KV_MODELS, s.token(model.model_id), model)
+        await gateway.store.put(s.KV_MODELS, ids.token(model.model_id), model)
     return request_id

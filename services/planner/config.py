@@ -6,19 +6,19 @@ from collections.abc import Mapping
 
 import msgspec
 
-from infra.config import DEFAULT_NATS_URL, from_env
+from infra.config import DEFAULT_NATS_URL, NUM_SLOTS, TOKEN_BUDGET, from_env
 
 
 class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = DEFAULT_NATS_URL
     trainer_group: str = "default"
     """Names the planner's snapshot; the planner serves every trainer group that reports."""
-    num_slots: int = 8
+    num_slots: int = NUM_SLOTS.default
     """Adapter slots per trainer group until the group reports its own (the trainer's count wins)."""
     group_timeout_s: float = 15.0
     """A trainer group whose trainers have not reported for this long is lost: nothing new is placed
     on it, and its models whose state was exported move to live groups of their base model."""
-    token_budget: int = 16_384
+    token_budget: int = TOKEN_BUDGET.default
     """Tokens per work unit; a single datum over it ships alone."""
     max_units_in_flight: int = 1
     """Units emitted ahead of their outcomes; calls arriving meanwhile coalesce into the next

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra.config import TOKEN_BUDGET
 from services.planner.facts import DEFAULT_GROUP
 from services.planner.streams import ModelStream
 
@@ -27,7 +28,7 @@ Groups = dict[str, GroupInfo]
 
 @dataclass(frozen=True)
 class Limits:
-    token_budget: int = 16_384  # tokens per work unit; a single datum over it ships alone
+    token_budget: int = TOKEN_BUDGET.default  # tokens per work unit; a single datum over it ships alone
     max_units_in_flight: int = 0  # per group, emitted ahead of their outcomes; 0: no limit
 
 

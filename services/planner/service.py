@@ -170,7 +170,7 @@ class PlannerService:
         self._replayed = self.planner.collect()  # published (again, at most once) before going live
         # Re-checked on _advance. Samples waiting for an engine are the gateway's records, not ours.
         self._paused = {
-            owner for owner in map(s.untoken, await self._queue_keys()) if not ids.is_sampler_id(owner)
+            owner for owner in map(ids.untoken, await self._queue_keys()) if not ids.is_sampler_id(owner)
         }
         log.info(
             "replayed %d requests, %d units, %d outcomes after snapshot %s",
@@ -285,7 +285,7 @@ class PlannerService:
                 group=stream.group,
             )
             if self._summaries.get(stream.model_id) != record:
-                await kv.put(s.token(stream.model_id), codec.to_json(record))
+                await kv.put(ids.token(stream.model_id), codec.to_json(record))
                 self._summaries[stream.model_id] = record
 
     async def _queue_keys(self) -> list[str]:
@@ -313,11 +313,11 @@ class PlannerService:
             record = QueueRecord(
                 request_id=request_id, queue_state="paused_capacity", reason=reason, since_ns=now_ns()
             )
-            await kv.put(s.token(request_id), codec.to_json(record))
+            await kv.put(ids.token(request_id), codec.to_json(record))
             log.info("%s waits: %s", request_id, reason)
         for request_id in sorted(self._paused - waiting):
             with contextlib.suppress(KeyNotFoundError):
-                await kv.delete(s.token(request_id))
+                await kv.delete(ids.token(request_id))
         self._paused, self._paused_why = waiting, why
 
     async def _emit_unit(self, unit: Unit) -> None:
@@ -480,12 +480,12 @@ class PlannerService:
             request_id=request_id, fingerprint="sealed", kind="sealed", tenant=tenant, accepted_ns=now_ns()
         )
         try:
-            await kv.create(s.seq_key(model_id, seq_id), codec.to_json(claim))
+            await kv.create(ids.seq_key(model_id, seq_id), codec.to_json(claim))
         except KeyWrongLastSequenceError:
             # Claimed by the gateway. Normally its command follows at once; a claim this old whose
             # command never came means the gateway died between claim and append. Seal it anyway:
             # a late append carries the same Nats-Msg-Id, and the planner dedupes the seq_id.
-            entry = await kv.get(s.seq_key(model_id, seq_id))
+            entry = await kv.get(ids.seq_key(model_id, seq_id))
             existing = codec.from_json(entry.value or b"{}", SeqClaim)
             if now_ns() - existing.accepted_ns < int(self.config.gap_timeout_s * 1e9):
                 return

@@ -18,6 +18,7 @@ import msgspec
 import nats.js.errors
 
 from infra.bus import Bus
+from libs.contracts import ids
 from libs.contracts import subjects as s
 
 
@@ -35,14 +36,10 @@ class PlannerSnapshot(msgspec.Struct, frozen=True):
     at_ns: int = 0
 
 
-def object_name(group: str) -> str:
-    return f"planner.{s.token(group)}"
-
-
 async def load(bus: Bus, group: str) -> PlannerSnapshot | None:
     store = await bus.js.object_store(s.OBJ_SNAPSHOTS)
     try:
-        found = await store.get(object_name(group))
+        found = await store.get(ids.planner_snapshot_name(group))
     except nats.js.errors.ObjectNotFoundError:
         return None
     if not found.data:
@@ -54,5 +51,5 @@ async def save(bus: Bus, group: str, snapshot: PlannerSnapshot) -> int:
     """Store `snapshot` (replacing the previous one); returns its size in bytes."""
     store = await bus.js.object_store(s.OBJ_SNAPSHOTS)
     data = msgspec.msgpack.encode(snapshot)
-    await store.put(object_name(group), data)
+    await store.put(ids.planner_snapshot_name(group), data)
     return len(data)

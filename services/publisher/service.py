@@ -29,7 +29,7 @@ from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import age, layout
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import CheckpointPublished
@@ -45,7 +45,6 @@ from libs.contracts.results import (
 )
 from libs.faults import crash_point
 from services.publisher.config import PublisherConfig
-from services.publisher.naming import adapter_name
 
 log = logging.getLogger("tinkerd.publisher")
 
@@ -86,8 +85,8 @@ class PublisherService:
         await ensure_durable(self.bus, durable.stream, durable.config)
 
     async def run(self, stop: asyncio.Event) -> None:
-        layout.clean_temporaries(self.data_dir / "checkpoints")
-        layout.clean_temporaries(self.data_dir / "samplers")
+        layout.clean_temporaries(layout.checkpoints_root(self.data_dir))
+        layout.clean_temporaries(layout.samplers_root(self.data_dir))
         sub = await self.bus.pull(s.PUBLISH_ALL, s.DURABLE_PUBLISHER, s.STREAM_PUBLISH)
         log.info("publisher ready (data dir %s)", self.data_dir)
         reaper = asyncio.create_task(self._reap(stop))
@@ -150,7 +149,7 @@ class PublisherService:
             # sampler export to external_weights/)
             path = TinkerPath.parse(p.tinker_path)
             run, kind, name = path.run, path.kind, path.name
-            version_dir = layout.versions_dir(self.data_dir, run, kind) / f"{name}@{p.version}"
+            version_dir = layout.version_dir(self.data_dir, run, kind, name, p.version)
             source = staging if staging.exists() else None
             if source is not None and p.age_recipients and not version_dir.exists():
                 source = await asyncio.to_thread(_encrypted, staging, p.age_recipients)
@@ -159,7 +158,7 @@ class PublisherService:
             await asyncio.to_thread(
                 layout.switch_link, layout.public_path(self.data_dir, run, kind, name), version_dir
             )
-            engine_name = adapter_name(run, name, p.version)
+            engine_name = ids.adapter_name(run, name, p.version)
             record = CheckpointRecord(
                 tinker_path=p.tinker_path,
                 training_run_id=run,
@@ -185,9 +184,9 @@ class PublisherService:
             await asyncio.to_thread(
                 layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
             )
-            engine_name = adapter_name(p.sampling_session_id, "ephemeral", p.version)
+            engine_name = ids.adapter_name(p.sampling_session_id, "ephemeral", p.version)
             kv = await self.bus.kv(s.KV_SAMPLERS)
-            key = s.token(p.sampling_session_id)
+            key = ids.token(p.sampling_session_id)
             entry = await kv.get(key)
             sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
             sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
@@ -251,7 +250,7 @@ async def advance_inflight(bus: Bus, target: InflightTarget) -> bool:
     there already (a redelivered older publication never moves it back); compare-and-set, so
     concurrent publishers agree. True when it is the target now."""
     kv = await bus.kv(s.KV_INFLIGHT)
-    key, value = s.token(target.model_id), codec.to_json(target)
+    key, value = ids.token(target.model_id), codec.to_json(target)
     while True:
         try:
             entry = await kv.get(key)

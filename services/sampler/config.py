@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from infra.config import MAX_LORA_RANK
+
 ENV_PREFIXES: tuple[str, ...] = ("TINKERD_SAMPLER_", "TINKERD_")
 
 
@@ -28,7 +30,7 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Most sequences decoded together in one step (SGLang's ``max_running_requests``)."""
     max_loaded_loras: int = 16
     """Most adapters resident in memory; the least recently used unpinned one is evicted."""
-    max_lora_rank: int = 64
+    max_lora_rank: int = MAX_LORA_RANK.default
     """Adapters with a larger rank are refused at load time."""
     context_length: int | None = None
     """Prompt + generated tokens limit; ``None`` takes the model's ``max_position_embeddings``."""

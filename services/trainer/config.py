@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, from_env
+from infra.config import DEFAULT_DATA_DIR, DEFAULT_NATS_URL, MAX_LORA_RANK, NUM_SLOTS, from_env
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -17,8 +17,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Trainer group: the planner's work subject; all ranks of one TP group share it."""
     trainer_id: str = ""
     """Defaults to `<group>-<hostname>-<pid>`."""
-    num_slots: int = 8
-    max_lora_rank: int = 64
+    num_slots: int = NUM_SLOTS.default
+    max_lora_rank: int = MAX_LORA_RANK.default
     tp: int = 1
     """Tensor-parallel size: > 1 makes `tinkerd serve trainer` start that many ranks of one group
     (services/trainer/group.py). Ignored by a process started with `RANK`/`WORLD_SIZE` set."""

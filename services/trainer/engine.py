@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.config import MAX_LORA_RANK, NUM_SLOTS
 from libs.contracts.common import AdamParams, LoraConfig
 from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_request
 from services.trainer import slot_state
@@ -58,8 +59,8 @@ class EngineConfig:
     """How to build a ``TrainerEngine``.  The TP size is the torch.distributed world size."""
 
     base_model_dir: str
-    num_slots: int = 8
-    max_lora_rank: int = 64
+    num_slots: int = NUM_SLOTS.default
+    max_lora_rank: int = MAX_LORA_RANK.default
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA

@@ -31,7 +31,7 @@ from infra import tracing
 from infra.bus import Bus, ensure_durable, fetch_loop
 from infra.streams import ensure_streams, trainer_durable
 from libs.checkpoints import layout
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import ServiceEvent, UnitFinished, UnitStarted
@@ -305,11 +305,11 @@ class TrainerService:
                 last_work_seq=self.last_work_seq,
             )
             with contextlib.suppress(Exception):
-                await kv.put(s.token(self.trainer_id), codec.to_json(status))
+                await kv.put(ids.token(self.trainer_id), codec.to_json(status))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.config.heartbeat_s)
         with contextlib.suppress(Exception):
-            await kv.delete(s.token(self.trainer_id))
+            await kv.delete(ids.token(self.trainer_id))
 
 
 def resolve_device(config: TrainerConfig) -> str:

@@ -28,7 +28,7 @@ import tinker
 from tinker import types
 
 from infra.bus import Bus
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.records import QueueRecord
 from tests.harness import Stack
@@ -140,9 +140,9 @@ class Watcher:
 
             async def follow_queue() -> None:
                 async for entry in watcher:
-                    if entry is None or ":sample:" not in s.untoken(entry.key):
+                    if entry is None or ":sample:" not in ids.untoken(entry.key):
                         continue
-                    request_id = s.untoken(entry.key)
+                    request_id = ids.untoken(entry.key)
                     with self.cond:
                         if entry.value:
                             record = codec.from_json(entry.value, QueueRecord)

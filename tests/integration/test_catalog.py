@@ -22,6 +22,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 from tinker import types
 
 from infra.bus import Bus
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from services.gateway.catalog import downloads
 from tests.harness import Stack
@@ -140,7 +141,7 @@ def test_other_tenants_see_nothing_until_published(stack: Stack) -> None:
 
 def checkpoint_dirs(stack: Stack, path: str) -> list[Path]:
     run, segment, name = path.removeprefix("tinker://").split("/")
-    base = stack.data_dir / "checkpoints" / s.token(run) / segment
+    base = stack.data_dir / "checkpoints" / ids.token(run) / segment
     return [p for p in (base / name, *(base / ".versions").glob(f"{name}@*")) if p.exists() or p.is_symlink()]
 
 
@@ -189,7 +190,7 @@ def test_ttl_sets_expiry_and_the_reaper_deletes_expired_checkpoints(stack: Stack
     brief = S.training.save_state("brief").result().path
     status(client.put(checkpoint_url(brief, "/ttl"), json={"ttl_seconds": 1}), 200)
     run, _, name = brief.removeprefix("tinker://").split("/")
-    asyncio.run(wait_deleted(stack.nats_url, f"{s.token(run)}.training.{name}"))
+    asyncio.run(wait_deleted(stack.nats_url, f"{ids.token(run)}.training.{name}"))
     assert checkpoint_dirs(stack, brief) == []
     assert brief not in {
         c["tinker_path"] for c in status(client.get("/api/v1/checkpoints"), 200)["checkpoints"]

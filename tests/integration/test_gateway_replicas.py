@@ -22,6 +22,7 @@ import tinker
 from tinker import types
 
 from infra.bus import Bus, kv_scan
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from tests.faults.checks import exactly_once
 from tests.harness import Stack
@@ -105,7 +106,7 @@ def test_a_create_sent_to_both_replicas_makes_one_model(stack: Stack) -> None:
     assert first.status_code == second.status_code == 200, (first.text, second.text)
     model_id = first.json()["model_id"]
     assert second.json()["model_id"] == model_id
-    assert kv_keys(stack, s.KV_MODELS, s.token(session)) == [s.token(model_id)]
+    assert kv_keys(stack, s.KV_MODELS, ids.token(session)) == [ids.token(model_id)]
 
 
 def test_seq_ids_sent_to_both_replicas_run_once_and_answer_at_either(stack: Stack) -> None:
@@ -127,8 +128,8 @@ def test_seq_ids_sent_to_both_replicas_run_once_and_answer_at_either(stack: Stac
         ref = api.at(1).post("/api/v1/forward_backward", json=fb_body(reference_id, seq, seq))
         want.append(api.result(1, ref.json()["request_id"]))
     assert [g["loss_fn_outputs"] for g in got] == [w["loss_fn_outputs"] for w in want]
-    claims = kv_keys(stack, s.KV_SEQ, s.token(model_id) + ".")
-    assert claims == sorted(s.seq_key(model_id, n) for n in range(5))  # 0 is the create itself
+    claims = kv_keys(stack, s.KV_SEQ, ids.token(model_id) + ".")
+    assert claims == sorted(ids.seq_key(model_id, n) for n in range(5))  # 0 is the create itself
     report = exactly_once(stack.nats_url)
     assert report.clean, report
 

@@ -16,12 +16,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from libs.checkpoints.layout import models_root
 from libs.models import registry
 from libs.models.registry import (
     ResolvedModel,
     UnknownBaseModel,
     ensure_tiny,
-    models_root,
     resolve_base_model,
 )
 from libs.models.tiny import (

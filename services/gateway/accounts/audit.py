@@ -6,9 +6,9 @@ read for download, TTLs set, sessions assigned to projects) recorded as an `Audi
 
 from __future__ import annotations
 
+from libs.contracts import ids
 from libs.contracts.common import now_ns
 from libs.contracts.events import Audited
-from libs.contracts.ids import SCHEME
 from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
 
@@ -18,9 +18,7 @@ async def audit(
 ) -> None:
     """Record who did what; awaited, so the audit log shows a change once its call has returned
     (an event-log outage costs the entry, never the operation: `Bus.emit` only logs)."""
-    model_id = ""
-    if subject.startswith(SCHEME):
-        model_id = subject[len(SCHEME) :].split("/", 1)[0]
+    model_id, _ = ids.split_path(subject)
     await gateway.bus.emit(
         Audited(
             resource=resource,

@@ -11,6 +11,7 @@ retry of a request that was already accepted is never refused.
 
 from __future__ import annotations
 
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.records import CheckpointRecord, ModelRecord, SeqClaim
 from services.gateway.accounts.auth import Tenant
@@ -36,7 +37,7 @@ async def check_stored_bytes(gateway: Gateway, tenant: Tenant, model_id: str, se
     limit = gateway.config.max_stored_bytes_per_tenant
     if limit <= 0:
         return
-    if await gateway.store.get(s.KV_SEQ, s.seq_key(model_id, seq_id), SeqClaim) is not None:
+    if await gateway.store.get(s.KV_SEQ, ids.seq_key(model_id, seq_id), SeqClaim) is not None:
         return  # this seq_id was accepted already: a retry, answered as before
     records = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord)
     used = sum(r.size_bytes for _, r in records if r.tenant == tenant.id)

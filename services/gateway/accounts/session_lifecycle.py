@@ -60,7 +60,7 @@ class SessionLifecycle:
             current.heartbeat_ns = now
             return current
 
-        await self.gateway.store.update(s.KV_SESSIONS, s.token(record.session_id), SessionRecord, stamp)
+        await self.gateway.store.update(s.KV_SESSIONS, ids.token(record.session_id), SessionRecord, stamp)
 
     async def reap_once(self) -> list[str]:
         """Expire every lapsed session this replica wins; returns their ids."""

@@ -16,8 +16,9 @@ import msgspec
 import nats.errors
 
 from libs.checkpoints import layout
+from libs.contracts import ids
 from libs.contracts import subjects as s
-from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, TinkerPath, checkpoint_key
+from libs.contracts.ids import TinkerPath, checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord
 from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
@@ -42,7 +43,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
         parsed = TinkerPath.parse(path)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    if not s.is_valid_id(parsed.run):
+    if not ids.is_valid_id(parsed.run):
         raise NotFound(f"checkpoint {path!r} not found")
     check_name(parsed.name, "checkpoint name")
     return parsed.run, parsed.kind, parsed.name
@@ -68,7 +69,7 @@ async def resolve_checkpoint(
         if kind == "training" and record.kind == "sampler":
             raise BadRequest(
                 f"{path} is a sampler export (weights only, PEFT format); training state is restored from "
-                "a save_state checkpoint (tinker://RUN/weights/NAME)"
+                f"a save_state checkpoint ({ids.path_shape('training')})"
             )
         raise BadRequest(f"{path} is not a {kind} checkpoint (it is {record.kind})")
     if not within(gateway.data_dir, Path(record.directory)):
@@ -115,7 +116,7 @@ def knows_external(headers: Mapping[str, str]) -> bool:
 def checkpoint_view(record: CheckpointRecord, external: bool = True) -> w.Checkpoint:
     kind = record.kind if external or record.kind != "external" else "sampler"
     return w.Checkpoint(
-        checkpoint_id=f"{SEGMENT_OF_KIND[record.kind]}/{record.name}",
+        checkpoint_id=ids.checkpoint_id(record.kind, record.name),
         checkpoint_type=kind,  # type: ignore[arg-type]
         time=at(record.created_ns),
         tinker_path=record.tinker_path,
@@ -150,7 +151,7 @@ def readable(record: CheckpointRecord, tenant: Tenant) -> bool:
 
 async def run_checkpoints(gateway: Gateway, run_id: str) -> list[CheckpointRecord]:
     """Every checkpoint of one training run, newest first."""
-    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=f"{s.token(run_id)}.")
+    found = await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord, prefix=ids.run_checkpoints_prefix(run_id))
     return sorted((r for _, r in found), key=lambda r: r.created_ns, reverse=True)
 
 
@@ -170,7 +171,7 @@ async def owned_checkpoint(
 
     A missing record of a run the caller owns is (key, None), so deletes stay idempotent.
     """
-    path = f"{SCHEME}{run_id}/{checkpoint_id}"
+    path = ids.unchecked_path(run_id, checkpoint_id)
     run, kind, name = parse_tinker_path(path)
     key = checkpoint_key(run, kind, name)
     record = await gateway.store.get(s.KV_CHECKPOINTS, key, CheckpointRecord)
@@ -178,7 +179,7 @@ async def owned_checkpoint(
         if record.tenant != tenant.id:
             raise NotFound(f"checkpoint {path!r} not found")
         return key, record
-    model = await gateway.store.get(s.KV_MODELS, s.token(run), ModelRecord)
+    model = await gateway.store.get(s.KV_MODELS, ids.token(run), ModelRecord)
     if model is None or model.tenant != tenant.id:
         raise NotFound(f"checkpoint {path!r} not found")
     return key, None
@@ -227,7 +228,7 @@ async def visible_run(gateway: Gateway, tenant: Tenant, run_id: str, accessible:
     """One run as the caller may see it; 404 for a run that is unknown or not theirs (unless
     `accessible` and it has published checkpoints)."""
     model = (
-        await gateway.store.get(s.KV_MODELS, s.token(run_id), ModelRecord) if s.is_valid_id(run_id) else None
+        await gateway.store.get(s.KV_MODELS, ids.token(run_id), ModelRecord) if ids.is_valid_id(run_id) else None
     )
     if model is None:
         raise NotFound(f"training run {run_id!r} not found")

@@ -20,6 +20,7 @@ import datetime as dt
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from libs.contracts import ids
 from libs.contracts.events import (
     Audited,
     CheckpointPublished,
@@ -33,12 +34,6 @@ from services.gateway.wire import admin_wire as a
 
 HOUR_NS = 3_600 * 1_000_000_000
 TRAINING_KINDS = ("forward", "forward_backward")
-
-
-def session_of(entity_id: str) -> str | None:
-    """`s-abc:train:0` / `s-abc:sample:3` -> `s-abc` (None for anything else)."""
-    head, sep, _ = entity_id.partition(":")
-    return head if sep and head else None
 
 
 def at(ns: int) -> dt.datetime:
@@ -57,7 +52,7 @@ def fold_usage(
     tenant: str,
     start_ns: int,
     end_ns: int,
-    group: Callable[[str], str | None] = session_of,
+    group: Callable[[str], str | None] = ids.session_of,
 ) -> dict[Key, int]:
     """Quantities per (hour, usage type, session, cached) of `tenant` in [start_ns, end_ns).
 
@@ -91,7 +86,7 @@ def fold_usage(
             add(event.at_ns, "sampling_prefill", session, event.prompt_tokens - cached)
             add(event.at_ns, "sampling_prefill", session, cached, cached=True)
             add(event.at_ns, "sampling_sample", session, event.sampled_tokens)
-        elif isinstance(event, CheckpointPublished) and event.tinker_path.startswith("tinker://"):
+        elif isinstance(event, CheckpointPublished) and ids.is_tinker_path(event.tinker_path):
             add(event.at_ns, "checkpoint", group(event.model_id), 1)
     for request_id, (ns, session, tokens) in training.items():
         if request_id not in failed:
@@ -164,7 +159,7 @@ def audit_entries(
                 tinker_path=event.subject if is_checkpoint else None,
                 purpose=event.details.get("purpose") if event.action == "read" else None,
             )
-        elif isinstance(event, CheckpointPublished) and event.tinker_path.startswith("tinker://"):
+        elif isinstance(event, CheckpointPublished) and ids.is_tinker_path(event.tinker_path):
             if event_type not in ("all", "checkpoints"):
                 continue
             entry = a.AuditLogEntry(
@@ -198,7 +193,7 @@ class Slice:
 
 def session_timeline(events: Iterable[OperationEvent], tenant: str, session_id: str) -> list[Slice]:
     """Every request of the session's training runs and samplers, one slice each, by track."""
-    prefix = f"{session_id}:"
+    prefix = ids.session_prefix(session_id)
     slices: dict[str, Slice] = {}
     ordered: list[Slice] = []
     for event in events:

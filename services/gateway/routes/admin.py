@@ -27,9 +27,10 @@ from typing import Any
 from litestar import Request, get, post
 
 from libs.checkpoints import layout
+from libs.contracts import ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.ids import SCHEME, SEGMENT_OF_KIND, checkpoint_key
+from libs.contracts.ids import checkpoint_key
 from libs.contracts.records import CheckpointRecord, ModelRecord, SessionRecord
 from services.gateway.accounts import jwt_auth
 from services.gateway.accounts.audit import audit
@@ -113,7 +114,7 @@ async def billing_checkpoint_storage(
     for _, record in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
         if record.tenant != tenant.id:
             continue
-        project = projects.get(metering.session_of(record.training_run_id) or "")
+        project = projects.get(ids.session_of(record.training_run_id) or "")
         if project_id is not None and project != project_id:
             continue
         groups.setdefault(project, []).append(record.size_bytes)
@@ -202,7 +203,7 @@ async def search_sessions(
     checkpoints: dict[str, list[int]] = {}
     for _, checkpoint in await gateway.store.scan(s.KV_CHECKPOINTS, CheckpointRecord):
         if checkpoint.tenant == tenant.id:
-            checkpoints.setdefault(metering.session_of(checkpoint.training_run_id) or "", []).append(
+            checkpoints.setdefault(ids.session_of(checkpoint.training_run_id) or "", []).append(
                 checkpoint.size_bytes
             )
     page: list[a.SessionSummary] = []
@@ -258,7 +259,7 @@ async def session_trace_export(
     slices = metering.session_timeline(await read_events(gateway), tenant.id, session_id)
     payload = perfetto.encode(session_id, slices)
     digest = hashlib.sha256(payload).hexdigest()[:16]
-    relative = f"traces/{s.token(session_id)}-{digest}.pftrace"
+    relative = layout.trace_file(session_id, digest)
     await asyncio.to_thread(_write_trace, gateway.data_dir / relative, payload)
     base = gateway.config.public_url or str(request.base_url)
     url = downloads.signed_url(base, gateway.signing_secret, relative, int(time.time()) + TRACE_URL_S)
@@ -305,7 +306,7 @@ async def _copy_destination(
         if data.session_id is None or data.model_seq_id is None or data.model_seq_id < 0:
             raise BadRequest("copy_weights: session_id and model_seq_id (>= 0) go together")
         await owned_session(gateway, tenant, data.session_id)
-        return data.session_id, f"{data.session_id}:train:{data.model_seq_id}"
+        return data.session_id, ids.model_id(data.session_id, data.model_seq_id)
     if not data.destination_project_id:
         raise BadRequest("copy_weights needs destination_project_id, or session_id and model_seq_id")
     # A new session per copy; the SDK's idempotency key makes a retried call land on the same one.
@@ -322,8 +323,8 @@ async def _copy_destination(
         project_id=data.destination_project_id,
         display_name=f"copy of {data.source_path}",
     )
-    await gateway.store.create(s.KV_SESSIONS, s.token(session_id), session, SessionRecord)
-    return session_id, f"{session_id}:train:0"
+    await gateway.store.create(s.KV_SESSIONS, ids.token(session_id), session, SessionRecord)
+    return session_id, ids.model_id(session_id, 0)
 
 
 @post("/api/v1/copy_weights", status_code=200, operation_id="copy_weights")
@@ -355,12 +356,11 @@ async def copy_weights(
         unloaded=True,
         copy_of=source.tinker_path,
     )
-    created, existing = await gateway.store.create(s.KV_MODELS, s.token(run_id), model, ModelRecord)
+    created, existing = await gateway.store.create(s.KV_MODELS, ids.token(run_id), model, ModelRecord)
     if not created and (existing.tenant != tenant.id or existing.copy_of is None):
         raise BadRequest(f"training run {run_id} already exists; use another model_seq_id")
-    segment = SEGMENT_OF_KIND[source.kind]
-    path = f"{SCHEME}{run_id}/{segment}/{source.name}"
-    version = layout.versions_dir(gateway.data_dir, run_id, source.kind) / f"{source.name}@copy"
+    path = ids.tinker_path(run_id, source.kind, source.name)
+    version = layout.version_dir(gateway.data_dir, run_id, source.kind, source.name, "copy")
     if not within(gateway.data_dir, version):
         raise BadRequest(f"cannot copy {data.source_path} into run {run_id}")
     size = await asyncio.to_thread(link_tree, Path(source.directory), version)

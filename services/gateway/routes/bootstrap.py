@@ -117,7 +117,7 @@ async def finish_session(
     if not record.finished:
         record.finished = True
         record.finish_reason = data.reason.type
-        await gateway.store.put(s.KV_SESSIONS, s.token(session_id), record)
+        await gateway.store.put(s.KV_SESSIONS, ids.token(session_id), record)
         await gateway.bus.emit(
             SessionEvent(
                 session_id=session_id, what=f"finished:{data.reason.type}", tenant=tenant.id, at_ns=now_ns()

@@ -19,7 +19,7 @@ from litestar.response import File, Stream
 
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
-from libs.contracts.ids import SCHEME
+from libs.contracts.ids import unchecked_path
 from libs.contracts.records import CheckpointRecord
 from services.gateway.accounts.audit import audit
 from services.gateway.accounts.auth import Tenant
@@ -101,7 +101,7 @@ async def delete_checkpoint(
     (never did, or was deleted already) is a 404, as on the hosted service."""
     key, record = await owned_checkpoint(gateway, tenant, run_id, f"{segment}/{name}")
     if record is None:
-        raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+        raise NotFound(f"checkpoint {unchecked_path(run_id, segment, name)} not found")
     await gateway.store.delete(s.KV_CHECKPOINTS, key)
     await asyncio.to_thread(delete_files, gateway.data_dir, record)
     await audit(gateway, tenant, "checkpoint", "deleted", record.tinker_path)
@@ -116,7 +116,7 @@ async def _set_public(
         s.KV_CHECKPOINTS, key, CheckpointRecord, lambda r: msgspec.structs.replace(r, public=public)
     )
     if record is None or changed is None:
-        raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+        raise NotFound(f"checkpoint {unchecked_path(run_id, checkpoint_id)} not found")
     await audit(gateway, tenant, "checkpoint", "published" if public else "unpublished", changed.tinker_path)
 
 
@@ -149,7 +149,7 @@ async def set_checkpoint_ttl(
         s.KV_CHECKPOINTS, key, CheckpointRecord, lambda r: msgspec.structs.replace(r, expires_ns=expires)
     )
     if record is None or changed is None:
-        raise NotFound(f"checkpoint tinker://{run_id}/{segment}/{name} not found")
+        raise NotFound(f"checkpoint {unchecked_path(run_id, segment, name)} not found")
     await audit(gateway, tenant, "checkpoint", "ttl_set", changed.tinker_path, ttl_seconds=str(data.ttl_seconds))
     view = checkpoint_view(changed)
     return {"expires_at": view.expires_at.isoformat() if view.expires_at else None}
@@ -182,7 +182,7 @@ async def external_weights_urls(
     request: AnyRequest, run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> w.ExternalWeightsUrlsResponse:
     """One signed URL per file (what `tinker checkpoint download` fetches with urllib)."""
-    record = await readable_checkpoint(gateway, tenant, f"{SCHEME}{run_id}/{segment}/{name}")
+    record = await readable_checkpoint(gateway, tenant, unchecked_path(run_id, segment, name))
     expires = _expiry()
     urls = downloads.sign_files(
         _base_url(gateway, request), gateway.signing_secret, gateway.data_dir, Path(record.directory), expires
@@ -196,7 +196,7 @@ async def checkpoint_archive(
     request: AnyRequest, run_id: str, segment: str, name: str, gateway: Gateway, tenant: Tenant
 ) -> w.ArchiveUrlResponse:
     """SDKs <= 0.35: one signed URL to a tar of the checkpoint (the 200 JSON form)."""
-    record = await readable_checkpoint(gateway, tenant, f"{SCHEME}{run_id}/{segment}/{name}")
+    record = await readable_checkpoint(gateway, tenant, unchecked_path(run_id, segment, name))
     expires = _expiry()
     relative = str(Path(record.directory).relative_to(gateway.data_dir))
     url = downloads.signed_url(_base_url(gateway, request), gateway.signing_secret, relative, expires)

@@ -48,7 +48,7 @@ from libs.contracts.events import (
     UnitStarted,
     describe,
 )
-from libs.contracts.ids import SCHEME
+from libs.contracts.ids import split_path
 from libs.contracts.records import (
     CheckpointRecord,
     ModelQueueRecord,
@@ -241,7 +241,7 @@ async def console_overview(gateway: Gateway, tenant: Tenant) -> dict[str, Any]:
     now = time.time_ns()
     checkpoint_rows = []
     for ckpt in sorted(checkpoints, key=lambda r: r.created_ns):
-        run, _, rest = ckpt.tinker_path[len(SCHEME) :].partition("/")
+        run, rest = split_path(ckpt.tinker_path)
         checkpoint_rows.append(
             {
                 "tinker_path": ckpt.tinker_path,

@@ -23,11 +23,11 @@ from services.gateway.wire.render import render
 
 async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClaim | None]:
     """(tenant owning the request, its identity claim) — both None when unknown."""
-    if not s.is_valid_id(request_id) or ":" not in request_id:
+    if not ids.is_valid_id(request_id) or ":" not in request_id:
         return None, None
     entity, seq = ids.split_request_id(request_id)
     if seq == "unload":  # lifecycle requests have no seq claim (see submit.unload)
-        model = await gateway.store.get(s.KV_MODELS, s.token(entity), ModelRecord)
+        model = await gateway.store.get(s.KV_MODELS, ids.token(entity), ModelRecord)
         if model is None or not model.unloaded:
             return None, None
         return model.tenant, SeqClaim(
@@ -36,11 +36,11 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
     if not seq.lstrip("-").isdigit():
         return None, None
     if ids.is_sampler_id(entity):
-        sampler = await gateway.store.get(s.KV_SAMPLERS, s.token(entity), SamplerRecord)
-        claim = await gateway.store.get(s.KV_SAMPLE_SEQ, s.seq_key(entity, int(seq)), SeqClaim)
+        sampler = await gateway.store.get(s.KV_SAMPLERS, ids.token(entity), SamplerRecord)
+        claim = await gateway.store.get(s.KV_SAMPLE_SEQ, ids.seq_key(entity, int(seq)), SeqClaim)
         return (sampler.tenant if sampler else None), claim
-    model = await gateway.store.get(s.KV_MODELS, s.token(entity), ModelRecord)
-    claim = await gateway.store.get(s.KV_SEQ, s.seq_key(entity, int(seq)), SeqClaim)
+    model = await gateway.store.get(s.KV_MODELS, ids.token(entity), ModelRecord)
+    claim = await gateway.store.get(s.KV_SEQ, ids.seq_key(entity, int(seq)), SeqClaim)
     return (model.tenant if model else None), claim
 
 
@@ -63,7 +63,7 @@ async def retrieve_future(
                 raise Gone(
                     f"the result of {data.request_id} expired after {gateway.config.result_retention_s:.0f}s; it is not run again"
                 )
-            queued = await gateway.store.get(s.KV_QUEUE, s.token(data.request_id), QueueRecord)
+            queued = await gateway.store.get(s.KV_QUEUE, ids.token(data.request_id), QueueRecord)
             if queued is not None and queued.queue_state != "active":
                 return Response(
                     w.TryAgainResponse(

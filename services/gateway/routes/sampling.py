@@ -68,7 +68,7 @@ async def create_sampling_session(
             raise BadRequest(f"base_model {data.base_model!r} is not served here; this deployment serves {names}")
         record.base_model = served.name
     check_sampleable(gateway, record.base_model)
-    created, existing = await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
+    created, existing = await gateway.store.create(s.KV_SAMPLERS, ids.token(sampler_id), record, SamplerRecord)
     if not created and (
         existing.tenant != tenant.id
         or existing.model_path != record.model_path
@@ -94,7 +94,7 @@ async def join_sampling_session(
 ) -> w.JoinSamplingSessionResponse:
     await owned_sampler(gateway, tenant, data.sampling_session_id)
     kv = await gateway.bus.kv(s.KV_SAMPLE_SEQ)
-    revision = await kv.put(f"{s.token(data.sampling_session_id)}.clones", b"1")
+    revision = await kv.put(ids.clones_key(data.sampling_session_id), b"1")
     return w.JoinSamplingSessionResponse(client_counter=int(revision))
 
 
@@ -248,7 +248,7 @@ async def asample(data: w.SampleRequest, gateway: Gateway, tenant: Tenant) -> w.
     _, fresh = await claim_and_append(
         gateway,
         s.KV_SAMPLE_SEQ,
-        s.seq_key(sampler.sampler_id, seq),
+        ids.seq_key(sampler.sampler_id, seq),
         claim,
         SamplingReservation(gateway, tenant, sampler.sampler_id, request_id, data.num_samples),
         enqueue,

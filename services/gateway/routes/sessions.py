@@ -57,7 +57,7 @@ async def assign_session_project(
         raise BadRequest("project_id is required")
     await gateway.store.update(
         s.KV_SESSIONS,
-        s.token(session_id),
+        ids.token(session_id),
         SessionRecord,
         lambda r: msgspec.structs.replace(r, project_id=data.project_id),
     )

@@ -121,7 +121,7 @@ async def register_sampler(
         inflight_model_id=model.model_id if inflight else None,
         save_seq_id=seq,
     )
-    await gateway.store.create(s.KV_SAMPLERS, s.token(sampler_id), record, SamplerRecord)
+    await gateway.store.create(s.KV_SAMPLERS, ids.token(sampler_id), record, SamplerRecord)
     return sampler_id
 
 

@@ -33,7 +33,7 @@ from nats.aio.subscription import Subscription
 from infra.answers import answer
 from infra.bus import fetch_failed
 from infra.streams import sample_runner_durable
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import RequestCompleted
@@ -75,7 +75,7 @@ class SampleRunner:
 
     async def _on_cancel(self, msg: Msg) -> None:
         """A sample was cancelled (on any replica): stop it here if this replica runs it."""
-        request_id = s.untoken(msg.subject.removeprefix("tinker.cancel."))
+        request_id = s.cancel_request_id(msg.subject)
         task = self.running.get(request_id)
         if task is not None:
             self.cancelled.add(request_id)
@@ -249,28 +249,28 @@ class SampleRunner:
             request_id=job.request_id, queue_state="paused_capacity", reason=reason, since_ns=now_ns()
         )
         with contextlib.suppress(Exception):  # the wait itself does not depend on the record
-            await self.gateway.store.put(s.KV_QUEUE, s.token(job.request_id), record)
+            await self.gateway.store.put(s.KV_QUEUE, ids.token(job.request_id), record)
 
     async def _resumed(self, job: SampleJob) -> None:
         with contextlib.suppress(Exception):
-            await self.gateway.store.delete(s.KV_QUEUE, s.token(job.request_id))
+            await self.gateway.store.delete(s.KV_QUEUE, ids.token(job.request_id))
 
     async def _adapter(self, sampler_id: str) -> tuple[Adapter | None, str]:
         """(the adapter to sample with (None: the base model), the sampler's base model), waiting
         for a pending save."""
         store = self.gateway.store
-        sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord)
+        sampler = await store.get(s.KV_SAMPLERS, ids.token(sampler_id), SamplerRecord)
         if sampler is None:
             raise RuntimeError(f"sampler {sampler_id} is gone")
         if sampler.pending_request_id and not sampler.adapter_name:
             result = await self.gateway.board.wait(sampler.pending_request_id, 24 * 3600)
             if result is None or isinstance(result.body, Failure):
                 raise RuntimeError("the sampler export this sampler was created for failed to save")
-            sampler = await store.get(s.KV_SAMPLERS, s.token(sampler_id), SamplerRecord) or sampler
+            sampler = await store.get(s.KV_SAMPLERS, ids.token(sampler_id), SamplerRecord) or sampler
         if not sampler.adapter_name:
             return None, sampler.base_model
         if sampler.inflight_model_id:  # the model's inflight target: this client's save or a newer one
-            target = await store.get(s.KV_INFLIGHT, s.token(sampler.inflight_model_id), InflightTarget)
+            target = await store.get(s.KV_INFLIGHT, ids.token(sampler.inflight_model_id), InflightTarget)
             if target is not None and target.seq_id >= (sampler.save_seq_id or 0):
                 return Adapter(name=target.adapter_name, directory=target.adapter_dir), sampler.base_model
         return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir), sampler.base_model

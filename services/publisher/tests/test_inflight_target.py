@@ -9,7 +9,7 @@ from pathlib import Path
 from infra.bus import Bus
 from infra.natsd import start_nats
 from infra.streams import ensure_streams
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
 from libs.contracts.records import InflightTarget
 from services.publisher.service import advance_inflight
@@ -35,7 +35,7 @@ def test_the_inflight_target_moves_only_to_newer_saves(tmp_path: Path) -> None:
         try:
             await ensure_streams(bus.js)
             moved = [await advance_inflight(bus, target(seq)) for seq in (3, 7, 5, 7)]
-            entry = await (await bus.kv(s.KV_INFLIGHT)).get(s.token(MODEL))
+            entry = await (await bus.kv(s.KV_INFLIGHT)).get(ids.token(MODEL))
             assert entry.value is not None
             return moved, codec.from_json(entry.value, InflightTarget)
         finally:

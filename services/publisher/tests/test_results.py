@@ -12,7 +12,7 @@ from tinker import types
 from tinker.types.save_weights_external_response import SaveWeightsExternalResponseInternal
 from tinker.types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
 
-from services.publisher.naming import adapter_name
+from libs.contracts.ids import adapter_name
 from services.publisher.service import named_save_result
 
 PATH = "tinker://sess-1:train:0/weights/ckpt"

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.contracts.ids import token
+from libs.checkpoints import layout
 from services.trainer.engine import TrainerEngine
 from services.trainer.slot_state import SlotState
 from services.trainer.state import files, slots
@@ -110,7 +110,7 @@ class PageStore:
         disk at most once however many snapshots follow."""
         path = self._files.get(model_id)
         if path is None:
-            path = self.root / f"{token(model_id)}.safetensors"
+            path = layout.paged_file(self.root, model_id)
             files.write(path, self._host[model_id], model_id, sync=False)  # a cache: no fsync
             self._files[model_id] = path
         return path

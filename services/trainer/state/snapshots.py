@@ -44,7 +44,6 @@ import msgspec
 
 from libs.checkpoints import layout
 from libs.checkpoints.state_format import FORMAT_VERSION
-from libs.contracts.ids import token
 from services.trainer.engine import TrainerEngine
 from services.trainer.slot_state import SlotState
 from services.trainer.state import files, paging, slots
@@ -64,10 +63,6 @@ class SnapshotIndex(msgspec.Struct):
 
 def root(data_dir: Path, group: str) -> Path:
     return layout.trainer_snapshots_dir(data_dir, group)
-
-
-def _paged_file(model_id: str) -> str:
-    return f"paged-{token(model_id)}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -116,7 +111,7 @@ def capture(
     }
     links: dict[str, Path] = {}
     for model_id in store.models:
-        links[model_id] = _hold_link(store.durable(model_id), hold / _paged_file(model_id))
+        links[model_id] = _hold_link(store.durable(model_id), hold / layout.snapshot_paged_name(model_id))
     index = SnapshotIndex(
         work_seq,
         dict(sorted(slot_models.items())),
@@ -171,9 +166,9 @@ def write(captured: Captured, data_dir: Path, group: str) -> Path:
             f"slot-{slot}.safetensors": files.encode(state, index.slots[slot]) for slot, state in captured.slots.items()
         }
         contents[INDEX] = msgspec.json.encode(index)
-        links = {_paged_file(model_id): path for model_id, path in captured.links.items()}
+        links = {layout.snapshot_paged_name(model_id): path for model_id, path in captured.links.items()}
         links |= {f"slot-{slot}.safetensors": path for slot, path in captured.reused.items()}
-        final = root(data_dir, group) / f"{index.work_seq:012d}"
+        final = layout.trainer_snapshot_dir(data_dir, group, index.work_seq)
         return layout.write_dir_atomically(final, contents, links=links)
     finally:
         shutil.rmtree(captured.hold, ignore_errors=True)
@@ -183,7 +178,7 @@ def finish(captured: Captured, directory: Path, store: paging.PageStore, data_di
     """After ``write`` (call it between units): the page store reads each paged state that is still
     the captured one from the snapshot's link, then older snapshots beyond the last two go."""
     for model_id in captured.links:
-        current, link = store.file_of(model_id), directory / _paged_file(model_id)
+        current, link = store.file_of(model_id), directory / layout.snapshot_paged_name(model_id)
         if current is not None and current.exists() and os.path.samefile(current, link):
             # still the captured state (not paged in, or out again, since): read it from the
             # snapshot's link, so that the old link may be collected
@@ -230,7 +225,7 @@ def restore(engine: TrainerEngine, store: paging.PageStore, directory: Path) -> 
     for slot in index.slots:
         slots.restore(engine, slot, files.read(directory / f"slot-{slot}.safetensors")[1])
     for model_id in index.paged:
-        store.adopt(model_id, directory / _paged_file(model_id))
+        store.adopt(model_id, directory / layout.snapshot_paged_name(model_id))
     return index.work_seq, dict(index.slots)
 
 
@@ -260,5 +255,5 @@ def model_state(directory: Path, model_id: str) -> tuple[SlotState | None, bool]
         if held == model_id:
             return files.read(directory / f"slot-{slot}.safetensors")[1], True
     if model_id in index.paged:
-        return files.read(directory / _paged_file(model_id))[1], False
+        return files.read(directory / layout.snapshot_paged_name(model_id))[1], False
     return None, False
