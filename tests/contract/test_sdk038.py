@@ -37,6 +37,7 @@ from tinker.lib.api_future_impl import QueueState
 
 from tests.contract.surface import Recorder
 from tests.harness import JWT_AUTH, SharedStacks, Stack
+from tests.sdk import datum
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -76,13 +77,6 @@ def ints(values: list[int]) -> types.TensorData:
 
 def floats(values: list[float]) -> types.TensorData:
     return types.TensorData(data=values, dtype="float32", shape=[len(values)])
-
-
-def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": ints(tokens[1:]), "weights": floats([1.0] * (len(tokens) - 1))},
-    )
 
 
 DATA = [datum([5, 6, 7, 8, 9]), datum([11, 12, 13, 14])]

@@ -296,9 +296,39 @@ def screenshot(driver: Any, name: str) -> None:
 
 
 def wait(driver: Any, condition: Any, timeout_s: float = 60) -> Any:
+    """Poll ``condition`` until it holds. The page re-renders its live tables on every poll, so an
+    element found a moment ago may be gone: such a read is tried again, not failed."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s).until(condition)
+    return WebDriverWait(driver, timeout_s, ignored_exceptions=(StaleElementReferenceException,)).until(condition)
+
+
+def reread(read: Any) -> Any:
+    """``read()``, done again if a live re-render replaced an element it holds between its lookup
+    and its use (the page redraws its tables on every poll)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(20):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            continue
+    return read()
+
+
+def text_of(driver: Any, css: str) -> str:
+    """The text of the element ``css`` selects, read through `reread`."""
+    from selenium.webdriver.common.by import By
+
+    return str(reread(lambda: driver.find_element(By.CSS_SELECTOR, css).text))
+
+
+def attributes_of(driver: Any, css: str, name: str) -> list[str]:
+    """Attribute ``name`` of every element ``css`` selects, in page order, read through `reread`."""
+    from selenium.webdriver.common.by import By
+
+    return list(reread(lambda: [e.get_attribute(name) for e in driver.find_elements(By.CSS_SELECTOR, css)]))
 
 
 @needs_chromium
@@ -319,12 +349,12 @@ def test_tenant_view_shows_the_run_its_losses_and_checkpoint_and_updates_live(
     wait(browser, lambda d: d.find_element(By.ID, "tenant-live").text == "live")
     plot = f'.plot[data-model-id="{trained.model_id}"] circle.loss-point'
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, plot)) == len(trained.losses))
-    drawn = [float(c.get_attribute("data-loss")) for c in browser.find_elements(By.CSS_SELECTOR, plot)]
+    drawn = [float(v) for v in attributes_of(browser, plot, "data-loss")]
     assert drawn == pytest.approx(trained.losses, rel=1e-6)
-    assert browser.find_element(By.CSS_SELECTOR, f"{row} .model-steps").text == str(len(trained.losses))
+    assert text_of(browser, f"{row} .model-steps") == str(len(trained.losses))
     ckpt = f'#checkpoints tr[data-path="{trained.checkpoint}"]'
-    assert browser.find_element(By.CSS_SELECTOR, f"{ckpt} .ckpt-ttl").text == "none"
-    assert browser.find_element(By.CSS_SELECTOR, f"{ckpt} a.download").get_attribute("data-archive").endswith("/archive")
+    assert text_of(browser, f"{ckpt} .ckpt-ttl") == "none"
+    assert attributes_of(browser, f"{ckpt} a.download", "data-archive")[0].endswith("/archive")
     assert browser.find_elements(By.CSS_SELECTOR, f'#usage tr[data-model-id="{trained.model_id}"]')
 
     browser.execute_script("window.__notReloaded = true")
@@ -332,7 +362,7 @@ def test_tenant_view_shows_the_run_its_losses_and_checkpoint_and_updates_live(
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, plot)) == len(trained.losses))
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} .model-steps").text == str(len(trained.losses)))
     assert browser.execute_script("return window.__notReloaded === true")
-    assert float(browser.find_elements(By.CSS_SELECTOR, plot)[-1].get_attribute("data-loss")) == pytest.approx(
+    assert float(attributes_of(browser, plot, "data-loss")[-1]) == pytest.approx(
         trained.losses[-1], rel=1e-6
     )
     screenshot(browser, "console-tenant.png")
@@ -364,12 +394,12 @@ def test_operator_view_matches_tinkerd_status(stack: Stack, trained: Trained, br
     wait(browser, lambda d: d.find_element(By.ID, "op-live").text == "live")
     for trainer in status.trainers:
         cells = f'#trainers tr[data-trainer-id="{trainer.trainer_id}"] .trainer-slots'
-        assert browser.find_element(By.CSS_SELECTOR, cells).text == f"{trainer.slots_used}/{trainer.num_slots}"
+        assert text_of(browser, cells) == f"{trainer.slots_used}/{trainer.num_slots}"
     plan = status.planner[trained.model_id]
     row = f'#residency tr[data-model-id="{trained.model_id}"]'
-    assert browser.find_element(By.CSS_SELECTOR, f"{row} .model-slot").text == str(plan.slot)
+    assert text_of(browser, f"{row} .model-slot") == str(plan.slot)
     expected = "paged" if plan.paged else "resident"
-    assert browser.find_element(By.CSS_SELECTOR, f"{row} .model-residency").text == expected
+    assert text_of(browser, f"{row} .model-residency") == expected
     for name in status.streams:
         assert browser.find_elements(By.CSS_SELECTOR, f'#streams tr[data-stream="{name}"]')
 
@@ -377,6 +407,6 @@ def test_operator_view_matches_tinkerd_status(stack: Stack, trained: Trained, br
     browser.find_element(By.ID, "trace-id").send_keys(request_id)
     browser.find_element(By.ID, "trace-go").click()
     wait(browser, lambda d: "completed" in [e.text for e in d.find_elements(By.CSS_SELECTOR, "#trace .trace-step")])
-    steps = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#trace .trace-step")]
+    steps = reread(lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#trace .trace-step")])
     assert steps[0] == "accepted" and "started" in steps
     screenshot(browser, "console-operator.png")
