@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
+# pytest-xdist workers: most tests wait on processes (start-ups, kills, timeouts) more than they
+# compute, so a 2-core machine runs four at once; tests/conftest.py keeps each module on one worker.
+TEST_WORKERS ?= 4
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 proto clean
 
@@ -64,14 +68,14 @@ typecheck: install
 	$(PY) -m mypy .
 
 pytest: install sdk024
-	TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest
+	TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest $(XDIST)
 
 test: lint typecheck pytest
 
 # Unit and component tests only: what starts a whole stack (marked `stack` by tests/conftest.py) and
 # the `slow` tier (faults, chaos, cookbook, console browser, bench smoke, numerics matrix) are left out.
 pytest-fast: install
-	$(PY) -m pytest -m "not stack and not slow"
+	$(PY) -m pytest $(XDIST) -m "not stack and not slow"
 
 check: lint typecheck pytest-fast
 
