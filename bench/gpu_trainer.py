@@ -10,10 +10,11 @@ and recorded, the next section still runs):
     engine     TrainerEngine.forward_backward on a Qwen3-8B-shaped megatron model (random
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
-               the loss through the chunked fused linear cross-entropy (fused_ce.py), and a
-               few workloads again through the unfused output layer + vocab-parallel CE
-               ("unfused-ce" rows); other attention backends on the 4k batches; a
-               torch.profiler table
+               the loss through the chunked fused linear cross-entropy (fused_ce.py, its
+               probabilities kept for backward), and every workload again with the fused
+               loss recomputing its logits in backward ("fused-recompute-ce" rows) and
+               through the unfused output layer + vocab-parallel CE ("unfused-ce" rows);
+               other attention backends on the 4k batches; a torch.profiler table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -91,7 +92,7 @@ ENGINE_WORKLOADS = [
 HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
 PROFILE_WORKLOAD = "4x1024"
-UNFUSED_CE_WORKLOADS = ["4x1024", "1x8192", "8x1024 8 tenants"]  # A/B of the fused cross-entropy
+CE_PATHS = ("unfused-ce", "fused-recompute-ce")  # the loss paths measured beside the default, on every workload
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
 
@@ -404,12 +405,17 @@ class Bench:
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        engine.fused_ce = False
-        for name in UNFUSED_CE_WORKLOADS if fused_ok else []:
-            if self.time_left() < 200:
-                continue
-            run(*by_name[name], label=f"{backend} unfused-ce")
-        engine.fused_ce = fused_ok
+        from services.trainer import fused_ce
+
+        kept = fused_ce.PROBS_ELEMENTS
+        for path in CE_PATHS if fused_ok else ():
+            engine.fused_ce = path != "unfused-ce"
+            fused_ce.PROBS_ELEMENTS = 0 if path == "fused-recompute-ce" else kept
+            for name in by_name:
+                if self.time_left() < 200:
+                    continue
+                run(*by_name[name], label=f"{backend} {path}")
+        engine.fused_ce, fused_ce.PROBS_ELEMENTS = fused_ok, kept
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -811,8 +817,36 @@ class Bench:
                     ],
                 ),
             ]
-        for label in dict.fromkeys(r["backend"] for r in engine):
-            by = {r["workload"]: r for r in engine if r["backend"] == label}
+        paths = {label: {r["workload"]: r for r in engine if r["backend"] == label} for label in dict.fromkeys(r["backend"] for r in engine)}
+        default = main[0]["backend"] if main else None
+        loss_rows = []
+        for workload, r in paths.get(default, {}).items():
+            row = {"workload": workload, "fused": r["median_s"] * 1e3, "fused_peak": r["peak_gib"]}
+            for path in CE_PATHS:
+                other = paths.get(f"{default} {path}", {}).get(workload)
+                row[path] = other["median_s"] * 1e3 if other else None
+                row[f"{path} peak"] = other["peak_gib"] if other else None
+            times = {"fused": row["fused"], **{p: row[p] for p in CE_PATHS if row[p] is not None}}
+            row["fastest"] = min(times, key=lambda k: times[k])
+            loss_rows.append(row)
+        if any(r["unfused-ce"] is not None for r in loss_rows):
+            self.results.put("engine", "loss_paths", loss_rows)
+            parts += [
+                f"\n## The loss path of each workload ({default})\n",
+                markdown_table(
+                    loss_rows,
+                    [
+                        ("workload", "workload"),
+                        ("fused ms (default)", "fused"),
+                        ("fused, recompute ms", "fused-recompute-ce"),
+                        ("unfused ms", "unfused-ce"),
+                        ("fused peak GiB", "fused_peak"),
+                        ("unfused peak GiB", "unfused-ce peak"),
+                        ("fastest", "fastest"),
+                    ],
+                ),
+            ]
+        for label, by in paths.items():
             for multi, single in (("16x256 8 tenants", "16x256"), ("8x1024 8 tenants", "8x1024")):
                 if multi in by and single in by:
                     ratio = by[multi]["tokens_per_s"] / by[single]["tokens_per_s"]

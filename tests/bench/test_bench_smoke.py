@@ -13,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["gateway_overhead", "trainer_cpu", "sampler_cpu", "recovery"]
-pytestmark = pytest.mark.spread  # each script its own subprocess
 
 
 @pytest.mark.slow

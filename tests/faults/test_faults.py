@@ -217,4 +217,4 @@ async def redeliver_latest(nats_url: str, copies: set[tuple[str, int]]) -> None:
         await bus.close()
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.spread]  # each test its own stack; the reference run is per worker
+pytestmark = pytest.mark.slow

@@ -122,4 +122,4 @@ def test_a_save_whose_write_a_killed_trainer_never_finished_is_redone_from_the_s
         stack.stop()
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.spread]  # each test its own stack
+pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.spread]  # the numerics suite again under six CPU code paths, one subprocess each
+pytestmark = pytest.mark.slow  # the numerics suite again under six CPU code paths
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMERIC_TESTS = ["services/trainer/tests", "services/sampler/tests"]

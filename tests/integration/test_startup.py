@@ -23,7 +23,6 @@ from tests.netutil import churn_ports
 TINKERD = [sys.executable, "-m", "tinkerd.cli"]
 GREEDY = types.SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = types.ModelInput.from_ints([5, 6, 7])
-pytestmark = pytest.mark.spread  # each test starts its own stack
 
 
 def base_sample(base_url: str, key: str) -> list[int]:

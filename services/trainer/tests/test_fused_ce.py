@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from libs.contracts.loss_specs import LOSS_SPECS
+from services.trainer import fused_ce
 from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_fused_ce
 from services.trainer.fused_ce import Piece, chunk_tokens, fused_target_logprobs, pieces
 from services.trainer.parallel import ensure_model_parallel
@@ -186,9 +187,14 @@ def _inputs(device: str, dtype: torch.dtype, vocab: int, hidden: int, seed: int)
     )
 
 
-def test_function_matches_full_logits_on_cpu() -> None:
+@pytest.mark.parametrize("budget", [fused_ce.PROBS_ELEMENTS, 256 * 1000 + 1, 0], ids=["kept", "some-kept", "recomputed"])
+def test_function_matches_full_logits_on_cpu(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The autograd function alone, fp32 on CPU with pieces of 256 tokens: logprobs and the
-    gradients of h, u and B equal a full-logits log-softmax's within 1e-5 relative."""
+    gradients of h, u and B equal a full-logits log-softmax's within 1e-5 relative, whether
+    backward reads the probabilities forward kept for the lm_head-LoRA pieces (``kept``), keeps
+    only the first piece's (``some-kept``) or recomputes every such piece's logits (``recomputed``);
+    the piece without LoRA takes its gradient from forward's ``softmax W`` in each case."""
+    monkeypatch.setattr(fused_ce, "PROBS_ELEMENTS", budget)
     ensure_model_parallel("cpu")  # a one-rank TP group
     h, w, y, segs, us, bs, g = _inputs("cpu", torch.float32, 1000, 64, seed=0)
     lp = fused_target_logprobs(h, w, y, segs, us, bs, chunk=256)
