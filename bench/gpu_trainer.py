@@ -10,11 +10,11 @@ and recorded, the next section still runs):
     engine     TrainerEngine.forward_backward on a Qwen3-8B-shaped megatron model (random
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
-               the loss through the chunked fused linear cross-entropy (fused_ce.py, its
-               probabilities kept for backward), and every workload again with the fused
-               loss recomputing its logits in backward ("fused-recompute-ce" rows) and
-               through the unfused output layer + vocab-parallel CE ("unfused-ce" rows);
-               other attention backends on the 4k batches; a torch.profiler table
+               the loss on the engine's default path, and every workload again through
+               each loss path by name ("fused-ce" rows: the chunked fused linear
+               cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
+               vocab-parallel CE); other attention backends on the 4k batches; a
+               torch.profiler table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -92,7 +92,7 @@ ENGINE_WORKLOADS = [
 HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
 PROFILE_WORKLOAD = "4x1024"
-CE_PATHS = ("unfused-ce", "fused-recompute-ce")  # the loss paths measured beside the default, on every workload
+CE_PATHS = ("fused-ce", "unfused-ce")  # each loss path forced, beside the default, on every workload
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
 
@@ -361,10 +361,11 @@ class Bench:
         self.peak_reset()
         engine = self.build_engine(backend, num_slots=8)
         self.results.put("engine", "build_peak_gib", self.peak_gib())
-        # The chunked fused linear cross-entropy (services/trainer/fused_ce.py): the CUDA default,
-        # forced on here for --cpu too; rows labelled "<backend> unfused-ce" re-run the main
-        # backend through the output layer + megatron's vocab-parallel cross-entropy.
-        engine.fused_ce = True
+        # The main rows take the engine's default loss path (engine.resolve_fused_ce: by size on
+        # CUDA); rows labelled "<backend> fused-ce" / "<backend> unfused-ce" re-run every workload
+        # with the chunked fused linear cross-entropy (services/trainer/fused_ce.py) / the output
+        # layer + megatron's vocab-parallel cross-entropy forced, on --cpu too.
+        engine.fused_ce = True  # for the probe below
         for slot in range(8):
             engine.init_slot(slot, LoraConfig(rank=LORA_RANK, seed=slot))
         with torch.no_grad():  # non-zero B, so every adapter changes the logits (same speed)
@@ -381,6 +382,7 @@ class Bench:
             self.results.error("engine/fused_ce", traceback.format_exc())
             self.log("!! fused cross-entropy failed; measuring the unfused path", traceback.format_exc())
         self.results.put("engine", "fused_ce", fused_ok)
+        engine.fused_ce = None if fused_ok else False
 
         def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
             n = self.doc_len(doc_len)
@@ -405,17 +407,14 @@ class Bench:
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        from services.trainer import fused_ce
-
-        kept = fused_ce.PROBS_ELEMENTS
+        default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():
-            engine.fused_ce = path != "unfused-ce"
-            fused_ce.PROBS_ELEMENTS = 0 if path == "fused-recompute-ce" else kept
+            engine.fused_ce = path == "fused-ce"
             for name in by_name:
                 if self.time_left() < 200:
                     continue
                 run(*by_name[name], label=f"{backend} {path}")
-        engine.fused_ce, fused_ce.PROBS_ELEMENTS = fused_ok, kept
+        engine.fused_ce = default
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -817,17 +816,20 @@ class Bench:
                     ],
                 ),
             ]
-        paths = {label: {r["workload"]: r for r in engine if r["backend"] == label} for label in dict.fromkeys(r["backend"] for r in engine)}
+        paths = {
+            label: {r["workload"]: r for r in engine if r["backend"] == label}
+            for label in dict.fromkeys(r["backend"] for r in engine)
+        }
         default = main[0]["backend"] if main else None
         loss_rows = []
         for workload, r in paths.get(default, {}).items():
-            row = {"workload": workload, "fused": r["median_s"] * 1e3, "fused_peak": r["peak_gib"]}
+            row = {"workload": workload, "default": r["median_s"] * 1e3, "default_peak": r["peak_gib"]}
             for path in CE_PATHS:
                 other = paths.get(f"{default} {path}", {}).get(workload)
                 row[path] = other["median_s"] * 1e3 if other else None
                 row[f"{path} peak"] = other["peak_gib"] if other else None
-            times = {"fused": row["fused"], **{p: row[p] for p in CE_PATHS if row[p] is not None}}
-            row["fastest"] = min(times, key=lambda k: times[k])
+            times = {p: row[p] for p in CE_PATHS if row[p] is not None}
+            row["fastest"] = min(times, key=lambda k: times[k]) if times else None
             loss_rows.append(row)
         if any(r["unfused-ce"] is not None for r in loss_rows):
             self.results.put("engine", "loss_paths", loss_rows)
@@ -837,12 +839,12 @@ class Bench:
                     loss_rows,
                     [
                         ("workload", "workload"),
-                        ("fused ms (default)", "fused"),
-                        ("fused, recompute ms", "fused-recompute-ce"),
+                        ("default ms", "default"),
+                        ("fused ms", "fused-ce"),
                         ("unfused ms", "unfused-ce"),
-                        ("fused peak GiB", "fused_peak"),
+                        ("fused peak GiB", "fused-ce peak"),
                         ("unfused peak GiB", "unfused-ce peak"),
-                        ("fastest", "fastest"),
+                        ("fastest forced path", "fastest"),
                     ],
                 ),
             ]

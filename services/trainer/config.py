@@ -25,7 +25,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
     fused_cross_entropy: bool | None = None
-    """The chunked fused linear cross-entropy (fused_ce.py); unset: on for CUDA, off on CPU."""
+    """The chunked fused linear cross-entropy (fused_ce.py): on, off, or unset: on CUDA for a
+    forward whose unfused logits would pass engine.UNFUSED_LOGITS_BYTES, off on CPU."""
     heartbeat_s: float = 5.0
     snapshot_every_steps: int = 20
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""

@@ -64,7 +64,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda"
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
-    fused_cross_entropy: bool | None = None  # None: on for CUDA, off on CPU (see fused_ce.py)
+    fused_cross_entropy: bool | None = None  # None: by size on CUDA, off on CPU (see resolve_fused_ce)
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -74,9 +74,20 @@ def resolve_backend(name: str, device: str) -> str:
     return "varlen_flash" if device == "cuda" else "sdpa_per_document"
 
 
-def resolve_fused_ce(flag: bool | None, device: str) -> bool:
-    """`None` turns the fused linear cross-entropy on for CUDA and leaves a CPU on the unfused path."""
-    return flag if flag is not None else device == "cuda"
+# The default loss path on CUDA: megatron's output layer + vocab-parallel cross-entropy while a
+# forward's [tokens x vocab/tp] fp32 logits stay within this many bytes (14,134 tokens at Qwen3's
+# vocabulary), the chunked fused linear cross-entropy (fused_ce.py) beyond, where its memory saving
+# grows (3.5 GiB at 8,192 tokens). On the H200 the unfused path measured as fast or faster than the
+# fused one at every packed length up to 8,192 tokens (docs/benchmarks.md, "The loss path").
+UNFUSED_LOGITS_BYTES = 8 << 30
+
+
+def resolve_fused_ce(flag: bool | None, device: str, tokens: int, local_vocab: int) -> bool:
+    """Whether a forward of ``tokens`` packed tokens takes the fused loss: ``flag`` where it is set;
+    unset, on CUDA only when the unfused logits would pass `UNFUSED_LOGITS_BYTES`, never on a CPU."""
+    if flag is not None:
+        return flag
+    return device == "cuda" and tokens * local_vocab * 4 > UNFUSED_LOGITS_BYTES
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,8 @@ class TrainerEngine:
         self._pending: set[int] = set()
         # One-column targets: log-probabilities from the hidden states by the chunked fused
         # linear cross-entropy (no [T, vocab] logits), or megatron's output layer + vocab-parallel
-        # cross-entropy. Equal within rounding; the CPU default keeps the unfused path.
-        self.fused_ce = resolve_fused_ce(config.fused_cross_entropy, config.device)
+        # cross-entropy. Equal within rounding; which one a forward takes: resolve_fused_ce.
+        self.fused_ce: bool | None = config.fused_cross_entropy  # forced on/off, or None: `resolve_fused_ce`
         self.fused_ce_chunk: int | None = None  # tokens per piece; None: fused_ce.chunk_tokens
         # slot -> a token that changes whenever anything of the slot's state may change (weights,
         # moments, step, gradients, pending): unique across engines, so a snapshot can tell that
@@ -185,7 +196,9 @@ class TrainerEngine:
                 logits = self.model(
                     batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
                 )[0]  # [T, vocab / tp]
-            elif self.fused_ce:
+            elif resolve_fused_ce(
+                self.fused_ce, self.config.device, batch.labels.numel(), self.shape.vocab_size // self.tp_size
+            ):
                 lp_all = self._fused_logprobs(batch)  # [T]
             else:
                 token_loss = self.model(

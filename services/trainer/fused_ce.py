@@ -9,24 +9,13 @@ unembedding, its lm_head LoRA (``u = h A_s^T`` and ``B_s`` already scaled by ``a
 
 The tokens are cut into pieces, each inside one segment and at most ``chunk`` tokens long; a
 piece's logits ``[t, V/tp]`` live only while that piece is processed.  Forward keeps the
-log-sum-exp per token (fp32).  With the upstream gradient ``g``,
+log-sum-exp per token (fp32) and recomputes each piece's logits in backward, where
 
     d logit[t, v] = g_t * (1[v = y_t] - exp(logit[t, v] - lse_t))
 
 gives ``dh = dlogit W``, ``du = dlogit B_s`` and ``dB_s = dlogit^T u`` (summed over the slot's
 pieces); the frozen ``W`` gets no gradient.  Logits are computed in the activation dtype (bf16 on
 GPU, as the output layer computes them), the exponentials and log-sum-exp in fp32.
-
-A piece whose slot has no lm_head LoRA needs only ``dh``, and ``dh_t`` is ``g_t`` times a row that
-forward can already compute: ``W_{y_t} - exp(lse_local_t - lse_t) * (softmax_local_t W)``, where
-``softmax_local`` is the piece's softmax over this rank's shard (``lse_local`` its log-sum-exp;
-the factor rescales it to the whole vocabulary, and is 1 without tensor parallelism).  So forward
-keeps ``spread = softmax_local W`` (``[T, H]``, the activation dtype) for those pieces and
-backward is elementwise there: no second logits GEMM, no second pass of exponentials.  A piece
-with an lm_head LoRA needs the probabilities themselves for ``dB_s``: forward keeps its
-``softmax_local`` (``[t, V/tp]``, the activation dtype) while all such pieces of the call fit in
-``PROBS_ELEMENTS``, and backward recomputes the logits of any piece past that budget.  A call
-without gradients (forward only) keeps neither.
 
 Tensor parallelism: each rank holds ``V/tp`` vocabulary rows.  A piece's local log-sum-exp and
 local target logit (0 where the target lies in another shard) are combined once per call: one
@@ -54,9 +43,6 @@ from services.trainer.parallel import tp_rank, tp_size
 # Budget per piece, in logits elements: the fp32 exponentials of one piece take 4x this in bytes.
 # 2**28 gives 1536 tokens at Qwen3's 151,936-entry vocabulary (about 0.9 GiB of fp32 per piece).
 CHUNK_ELEMENTS = 1 << 28
-# Budget, in elements, for the probabilities forward keeps for backward (pieces with an lm_head
-# LoRA): 2**31 is 4 GiB in bf16, about 14k tokens at Qwen3's vocabulary; past it, logits are recomputed.
-PROBS_ELEMENTS = 1 << 31
 
 
 def chunk_tokens(local_vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
@@ -115,7 +101,6 @@ class FusedLinearLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         plan: list[Piece],
-        with_grad: bool,
         num_lora: int,
         *lora: torch.Tensor,
     ) -> torch.Tensor:
@@ -127,75 +112,47 @@ class FusedLinearLogprobs(torch.autograd.Function):
         index = local.clamp(0, shard - 1)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         picked = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-        keep_spread = with_grad and ctx.needs_input_grad[0] and any(piece.lora < 0 for piece in plan)
-        spread = torch.zeros_like(h) if keep_spread else None  # [T, H]: softmax_local W, pieces without LoRA
-        probs: dict[int, torch.Tensor] = {}  # piece index -> softmax_local [t, Vl] (LoRA pieces, within budget)
-        room = PROBS_ELEMENTS if with_grad else 0
-        for i, piece in enumerate(plan):
+        for piece in plan:
             logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
             sl = slice(piece.start, piece.end)
+            lse[sl] = torch.logsumexp(logits.float(), dim=-1)
             got = logits.gather(-1, index[sl, None])[:, 0].float()  # [t]
             picked[sl] = torch.where(inside[sl], got, torch.zeros((), dtype=got.dtype, device=got.device))
-            scores = logits.float()  # [t, Vl] (the same tensor as ``logits`` when they are fp32)
-            del logits
-            lse[sl] = torch.logsumexp(scores, dim=-1)
-            if spread is not None and piece.lora < 0:
-                spread[sl] = scores.sub_(lse[sl, None]).exp_().to(h.dtype) @ weight  # in place: one temporary
-            elif piece.lora >= 0 and scores.numel() <= room:
-                probs[i] = scores.sub_(lse[sl, None]).exp_().to(h.dtype)
-                room -= scores.numel()
-            del scores
-        lse_local = lse
         if tp_size() > 1:
             group = _tp_group()
             parts = [torch.empty_like(lse) for _ in range(tp_size())]
             dist.all_gather(parts, lse, group=group)
             lse = torch.logsumexp(torch.stack(parts), dim=0)  # [T]
             dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-        ctx.plan, ctx.num_lora, ctx.probs = plan, num_lora, probs
-        ctx.save_for_backward(h, weight, targets, lse, lse_local, spread, *lora)
+        ctx.plan, ctx.num_lora = plan, num_lora
+        ctx.save_for_backward(h, weight, targets, lse, *lora)
         return picked - lse  # [T]
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        h, weight, targets, lse, lse_local, spread, *lora = ctx.saved_tensors
+        h, weight, targets, lse, *lora = ctx.saved_tensors
         num_lora = ctx.num_lora
         us, bs = tuple(lora[:num_lora]), tuple(lora[num_lora:])
         need_h = ctx.needs_input_grad[0]
-        need_u = [ctx.needs_input_grad[6 + i] for i in range(num_lora)]
-        need_b = [ctx.needs_input_grad[6 + num_lora + i] for i in range(num_lora)]
+        need_u = [ctx.needs_input_grad[5 + i] for i in range(num_lora)]
+        need_b = [ctx.needs_input_grad[5 + num_lora + i] for i in range(num_lora)]
         shard = weight.shape[0]
         local = targets - tp_rank() * shard
         inside = (local >= 0) & (local < shard)
         index = local.clamp(0, shard - 1)
         g = grad_lp.float()
         dh = torch.zeros_like(h) if need_h else None
-        if dh is not None and spread is not None:
-            # pieces without lm_head LoRA, all tokens at once; the LoRA pieces' rows are rewritten below
-            target_rows = weight.index_select(0, index).float() * inside[:, None]  # [T, H]: W_{y_t} on this shard
-            scale = torch.exp(lse_local - lse)[:, None]  # [T, 1]
-            dh.copy_(g[:, None] * (target_rows - scale * spread.float()))
-            del target_rows
         du = [torch.zeros_like(u) if need else None for u, need in zip(us, need_u, strict=True)]
         db = [
             torch.zeros_like(b, dtype=torch.float32) if need else None
             for b, need in zip(bs, need_b, strict=True)
         ]
-        probs = ctx.probs
-        for i, piece in enumerate(ctx.plan):
-            if piece.lora < 0 and (spread is not None or dh is None):
-                continue  # its dh is written above, or not asked for
+        for piece in ctx.plan:
             sl = slice(piece.start, piece.end)
-            kept = probs.pop(i, None)
-            if kept is not None:  # softmax over this shard, rescaled to the whole vocabulary
-                grad = kept.float()  # [t, Vl]
-                del kept
-                grad.mul_((torch.exp(lse_local[sl] - lse[sl]) * -g[sl])[:, None])  # -g * softmax
-            else:
-                logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
-                grad = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
-                del logits
-                grad.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])  # -g * softmax
+            logits = _piece_logits(h, weight, us, bs, piece)  # [t, Vl]
+            grad = logits.float()  # [t, Vl]; in place from here: one fp32 temporary per piece
+            del logits
+            grad.sub_(lse[sl, None]).exp_().mul_(-g[sl, None])  # -g * softmax
             hit = torch.where(inside[sl], g[sl], torch.zeros((), dtype=g.dtype, device=g.device))
             grad.scatter_add_(-1, index[sl, None], hit[:, None])
             grad_c = grad.to(h.dtype)  # [t, Vl]
@@ -210,7 +167,7 @@ class FusedLinearLogprobs(torch.autograd.Function):
                 if db[j] is not None:
                     db[j] += (grad_c.t() @ us[j][rows]).float()  # type: ignore[operator]
         grads_b = [None if d is None else d.to(b.dtype) for d, b in zip(db, bs, strict=True)]
-        return (dh, None, None, None, None, None, *du, *grads_b)
+        return (dh, None, None, None, None, *du, *grads_b)
 
 
 def fused_target_logprobs(
@@ -237,8 +194,7 @@ def fused_target_logprobs(
         [T] fp32 log-probabilities.
     """
     plan = pieces(segments, chunk or chunk_tokens(weight.shape[0]))
-    with_grad = torch.is_grad_enabled()  # forward only (no_grad) keeps no backward state
-    out: torch.Tensor = FusedLinearLogprobs.apply(h, weight, targets, plan, with_grad, len(us), *us, *bs)
+    out: torch.Tensor = FusedLinearLogprobs.apply(h, weight, targets, plan, len(us), *us, *bs)
     return out
 
 

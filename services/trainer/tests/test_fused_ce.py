@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from libs.contracts.loss_specs import LOSS_SPECS
-from services.trainer import fused_ce
-from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_fused_ce
+from services.trainer.engine import (
+    UNFUSED_LOGITS_BYTES,
+    DatumInput,
+    EngineConfig,
+    LoraConfig,
+    TrainerEngine,
+    resolve_fused_ce,
+)
 from services.trainer.fused_ce import Piece, chunk_tokens, fused_target_logprobs, pieces
 from services.trainer.parallel import ensure_model_parallel
 from services.trainer.tests.helpers import ce_bounds, ce_datum, random_tokens, randomize_slot, to_hf_layout
@@ -36,13 +42,21 @@ def fused(engine: TrainerEngine) -> Iterator[TrainerEngine]:
         engine.fused_ce, engine.fused_ce_chunk = False, None
 
 
-def test_default_is_fused_on_cuda_only(engine: TrainerEngine) -> None:
-    """``fused_cross_entropy=None`` (the default) means fused on CUDA and unfused on a CPU;
-    True or False wins on either."""
+def test_default_path_is_unfused_on_a_cpu_and_chosen_by_size_on_cuda() -> None:
+    """``fused_cross_entropy=None`` (the default): a CPU never takes the fused loss; CUDA takes it
+    only for a forward whose fp32 logits would pass ``UNFUSED_LOGITS_BYTES`` (14,134 tokens at a
+    151,936-entry vocabulary, twice that with the vocabulary split over two TP ranks); True or
+    False wins on either device."""
     assert EngineConfig("x").fused_cross_entropy is None
-    assert engine.fused_ce is False  # the tiny CPU engine built with the default
-    assert resolve_fused_ce(None, "cuda") is True and resolve_fused_ce(None, "cpu") is False
-    assert resolve_fused_ce(True, "cpu") is True and resolve_fused_ce(False, "cuda") is False
+    vocab = 151_936
+    limit = UNFUSED_LOGITS_BYTES // (4 * vocab)
+    assert limit == 14_134
+    assert resolve_fused_ce(None, "cuda", limit, vocab) is False
+    assert resolve_fused_ce(None, "cuda", limit + 1, vocab) is True
+    assert resolve_fused_ce(None, "cuda", 2 * limit, vocab // 2) is False
+    assert resolve_fused_ce(None, "cpu", 10 * limit, vocab) is False
+    assert resolve_fused_ce(True, "cpu", 1, vocab) is True
+    assert resolve_fused_ce(False, "cuda", 10 * limit, vocab) is False
 
 
 def test_pieces_stay_inside_segments_and_cover_them() -> None:
@@ -187,14 +201,9 @@ def _inputs(device: str, dtype: torch.dtype, vocab: int, hidden: int, seed: int)
     )
 
 
-@pytest.mark.parametrize("budget", [fused_ce.PROBS_ELEMENTS, 256 * 1000 + 1, 0], ids=["kept", "some-kept", "recomputed"])
-def test_function_matches_full_logits_on_cpu(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_function_matches_full_logits_on_cpu() -> None:
     """The autograd function alone, fp32 on CPU with pieces of 256 tokens: logprobs and the
-    gradients of h, u and B equal a full-logits log-softmax's within 1e-5 relative, whether
-    backward reads the probabilities forward kept for the lm_head-LoRA pieces (``kept``), keeps
-    only the first piece's (``some-kept``) or recomputes every such piece's logits (``recomputed``);
-    the piece without LoRA takes its gradient from forward's ``softmax W`` in each case."""
-    monkeypatch.setattr(fused_ce, "PROBS_ELEMENTS", budget)
+    gradients of h, u and B equal a full-logits log-softmax's within 1e-5 relative."""
     ensure_model_parallel("cpu")  # a one-rank TP group
     h, w, y, segs, us, bs, g = _inputs("cpu", torch.float32, 1000, 64, seed=0)
     lp = fused_target_logprobs(h, w, y, segs, us, bs, chunk=256)
@@ -236,8 +245,9 @@ def test_cuda_bf16_fused_matches_fp32_reference() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_fused_matches_unfused(qwen_dir: Path) -> None:
-    """A bf16 CUDA engine (tiny-qwen3, three co-packed slots, two with an lm_head adapter): the
-    fused path is its default, and its logprobs and gradients agree with the unfused path of the
+    """A bf16 CUDA engine (tiny-qwen3, three co-packed slots, two with an lm_head adapter): its
+    default chooses the loss path per forward (``fused_ce`` unset), and the fused path's logprobs
+    and gradients agree with the unfused path of the
     same engine (the decoder's forward is the same; only the loss differs, each rounding bf16
     logits once): logprobs within 0.02 + 1 % absolute, every gradient within 3 % of its tensor's
     largest entry, all finite."""
@@ -246,7 +256,7 @@ def test_cuda_engine_fused_matches_unfused(qwen_dir: Path) -> None:
             str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", attention_backend="sdpa_per_document"
         )
     )
-    assert engine.fused_ce is True
+    assert engine.fused_ce is None
     states = _slots(engine)
     rng = np.random.default_rng(3)
     datums = [ce_datum(rng, s, n) for s, n in ((1, 90), (0, 120), (3, 50), (1, 40), (0, 160), (3, 80))]
