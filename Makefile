@@ -6,10 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
-# pytest-xdist workers: most tests wait on processes (start-ups, kills, timeouts) more than they
-# compute, so a 2-core machine runs four at once; tests/conftest.py keeps each module on one worker.
-TEST_WORKERS ?= 4
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+# pytest-xdist workers, each taking whole modules (their fixtures shared); two for a 2-core
+# machine, where four measured slower.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 proto clean
 

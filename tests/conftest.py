@@ -5,11 +5,10 @@ it asks for the ``stack`` fixture (or the fault tests' ``reference`` run), or it
 its own `tests.harness.Stack`. ``make check`` leaves out ``stack`` and ``slow`` tests;
 ``make test`` runs every tier.
 
-Workers: ``make test`` and ``make check`` run the tests on several pytest-xdist workers
-(``--dist loadgroup``). A module's tests run on one worker, in order, so they share its module
-fixtures (a stack started once per module); a module marked ``spread`` (its tests each start
-their own processes and share nothing costly) has its tests dealt out one by one. A session
-fixture (the shared stacks, the fault tests' reference run) is built once per worker that uses it.
+Workers: ``make test`` and ``make check`` run the tests on two pytest-xdist workers with
+``--dist loadfile``: a module's tests run on one worker, in order, so they share its module
+fixtures (a stack started once per module); a session fixture (the shared stacks, the fault
+tests' reference run) is built once by each worker that uses it.
 """
 
 from __future__ import annotations
@@ -44,13 +43,10 @@ def starts_a_stack(item: pytest.Item) -> bool:
     return module is not None and getattr(module, "Stack", None) is Stack
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its worker hook is a plain one)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if starts_a_stack(item):
             item.add_marker(pytest.mark.stack)
-        if item.get_closest_marker("spread") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture
