@@ -77,8 +77,8 @@ def resolve_backend(name: str, device: str) -> str:
 # The default loss path on CUDA: megatron's output layer + vocab-parallel cross-entropy while a
 # forward's [tokens x vocab/tp] fp32 logits stay within this many bytes (14,134 tokens at Qwen3's
 # vocabulary), the chunked fused linear cross-entropy (fused_ce.py) beyond, where its memory saving
-# grows (3.5 GiB at 8,192 tokens). On the H200 the unfused path measured as fast or faster than the
-# fused one at every packed length up to 8,192 tokens (docs/benchmarks.md, "The loss path").
+# grows (about 5 GiB at 8,192 tokens). On the H200 the unfused path measured 3-4 % faster from 4,096
+# to 8,192 packed tokens, 16x256 aside (1 % slower) (docs/benchmarks.md, "The loss path").
 UNFUSED_LOGITS_BYTES = 8 << 30
 
 
