@@ -7,9 +7,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
 # pytest-xdist workers, each taking whole modules (their fixtures shared); two for a 2-core
-# machine, where four measured slower.
+# machine, where four measured slower. Each worker, and every service a test starts, computes on
+# one torch thread (OMP_NUM_THREADS=1): with two workers on two cores, more threads only queue
+# for the cores (the unit tier measured 88 s on two threads per worker, 67 s on one).
+# tests/infra/test_numerics_portability.py re-runs the numerics on two threads.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+TEST_ENV := OMP_NUM_THREADS=1
 
 .PHONY: install browser run test check lint typecheck pytest pytest-fast sdk024 proto clean
 
@@ -68,14 +72,14 @@ typecheck: install
 	$(PY) -m mypy .
 
 pytest: install sdk024
-	TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest $(XDIST)
+	$(TEST_ENV) TINKERD_SDK024_PYTHON=$(abspath $(SDK024_VENV))/bin/python $(PY) -m pytest $(XDIST)
 
 test: lint typecheck pytest
 
 # Unit and component tests only: what starts a whole stack (marked `stack` by tests/conftest.py) and
 # the `slow` tier (faults, chaos, cookbook, console browser, bench smoke, numerics matrix) are left out.
 pytest-fast: install
-	$(PY) -m pytest $(XDIST) -m "not stack and not slow"
+	$(TEST_ENV) $(PY) -m pytest $(XDIST) -m "not stack and not slow"
 
 check: lint typecheck pytest-fast
 
