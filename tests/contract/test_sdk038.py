@@ -71,14 +71,6 @@ def recording() -> Iterator[Recorder]:
         yield recorder
 
 
-def ints(values: list[int]) -> types.TensorData:
-    return types.TensorData(data=values, dtype="int64", shape=[len(values)])
-
-
-def floats(values: list[float]) -> types.TensorData:
-    return types.TensorData(data=values, dtype="float32", shape=[len(values)])
-
-
 DATA = [datum([5, 6, 7, 8, 9]), datum([11, 12, 13, 14])]
 PROMPT = types.ModelInput.from_ints([5, 6, 7])
 PARAMS = types.SamplingParams(max_tokens=3, temperature=1.0, seed=3)

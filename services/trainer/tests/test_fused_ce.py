@@ -39,7 +39,7 @@ def fused(engine: TrainerEngine) -> Iterator[TrainerEngine]:
     try:
         yield engine
     finally:
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
 
 
 def test_default_path_is_unfused_on_a_cpu_and_chosen_by_size_on_cuda() -> None:
@@ -95,7 +95,7 @@ def test_fused_matches_unfused_for_co_packed_slots(engine: TrainerEngine, qwen_d
             for s in states:
                 engine.discard_grads(s)
     finally:
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
     for slot, state in states.items():
         own = [i for i, d in enumerate(datums) if d.slot == slot]
         bounds = ce_bounds(qwen_dir, engine, state, [datums[i] for i in own])  # type: ignore[arg-type]
@@ -141,7 +141,7 @@ def test_every_loss_fused_matches_unfused(engine: TrainerEngine, loss_fn: str) -
             for s in states:
                 engine.discard_grads(s)
     finally:
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
     for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert_within(a.logprobs, b.logprobs, 1e-5 * max(1.0, float(np.abs(b.logprobs).max())), "logprobs")
         assert_within(a.loss, b.loss, 1e-5 * max(1.0, abs(b.loss)), "loss")

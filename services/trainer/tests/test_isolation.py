@@ -87,7 +87,7 @@ def test_an_overflowing_tenant_leaves_its_neighbours_bit_identical(
         dirty = _run(engine, overflow=True)
     finally:
         engine.pool.routing.stacked = False
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
 
     assert not all(bool(torch.isfinite(g).all()) for g in dirty.grads[BAD].values()), "BAD did not overflow"
     for slot in (GOOD, THIRD):

@@ -161,7 +161,7 @@ def test_loss_and_grads_match_reference(
         # Engine: one packed call.
         outputs = engine.forward_backward(datums, loss_fn, cfg)
     finally:
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
     grads = to_hf_layout(engine.get_slot_grads(1), config, engine)
 
     # Reference: HF model in float64, one datum at a time; bounds from tests.numerics.

@@ -170,7 +170,7 @@ def paths(request: pytest.FixtureRequest, engine: TrainerEngine) -> Iterator[Tra
         yield engine
     finally:
         engine.pool.routing.stacked = False
-        engine.fused_ce, engine.fused_ce_chunk = False, None
+        engine.fused_ce, engine.fused_ce_chunk = engine.config.fused_cross_entropy, None
         engine.optimizer.fused = None
 
 
