@@ -9,9 +9,13 @@ binds a port of the kernel's choice; its URL is the one it announced.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,6 +42,21 @@ if TYPE_CHECKING:
 
 MARKERS = {**READY_MARKERS, NATS: "nats-server ready on"}
 START_TIMEOUT_S = 240.0
+STACK_MODEL = "tiny-qwen3"
+
+
+@functools.cache
+def _built_stack_model() -> Path:
+    """The stacks' base model, built once per test process.
+
+    The build is byte-reproducible (libs/models/tests/test_tiny.py says so) and takes seconds, so
+    each stack's data directory gets a copy of this one (milliseconds) instead of a build of its own.
+    """
+    from libs.models.registry import ensure_tiny
+
+    root = Path(tempfile.mkdtemp(prefix="tinkerd-stack-model-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return ensure_tiny(root, STACK_MODEL)
 
 
 @dataclass
@@ -118,7 +137,10 @@ class Stack:
         from libs.models.registry import resolve_base_model
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        model = resolve_base_model("tiny-qwen3", self.data_dir)
+        target = layout.models_root(self.data_dir) / STACK_MODEL
+        if not target.exists():  # a restarted stack keeps its own copy
+            shutil.copytree(_built_stack_model(), target)
+        model = resolve_base_model(STACK_MODEL, self.data_dir)
         replication: dict[str, str] = {}
         if self.nats_nodes > 1:
             route_ports = [unused_port() for _ in range(self.nats_nodes)]  # configured: known to every node
@@ -135,7 +157,7 @@ class Stack:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
             "TINKERD_NATS_URL": self.nats_url,
             "TINKERD_DATA_DIR": str(self.data_dir),
-            "TINKERD_BASE_MODEL": "tiny-qwen3",
+            "TINKERD_BASE_MODEL": STACK_MODEL,
             "TINKERD_SAMPLER_MODEL_PATH": str(model.path),
             "TINKERD_GATEWAY_PORT": "0",  # every HTTP service binds a port of the kernel's choice
             "TINKERD_SAMPLER_PORT": "0",

@@ -2,16 +2,18 @@
 
 A decode step feeds one token per row through fused weights (q/k/v in one matrix, gate/up in
 one) with each row's own LoRA slot.  Every function here takes the same arguments on both
-paths; ``use_triton(x)`` decides (CUDA tensors and Triton importable, unless ``TRITON_OFF``
-is set for a comparison).  The torch versions are the reference the CUDA tests hold the
-kernels to, and what runs on the CPU.
+paths; ``use_triton(x)`` decides (CUDA tensors and Triton importable, unless
+``TINKERD_SAMPLER_TRITON_OFF`` is set for a comparison).  The torch versions are the reference
+the CUDA tests hold the kernels to, and what runs on the CPU.
 
 * ``rms_norm``: optional residual add, then RMSNorm (fp32 statistics, as Hugging Face's).
 * ``lora_delta`` / ``add_lora``: per-row LoRA over a fused group.  ``a``: (slots, R, in) holds
   each slot's ``A`` of every member module stacked (member ``j`` owns rows ``[j r, (j + 1) r)``),
   ``b``: (slots, out, r) each member's ``B`` over its output columns.  A row reads only its own
   slot's matrices; rows of slot ``-1`` get nothing.  The kernels work per (slot, block) and skip
-  slots no row uses, so no row's output is ever computed from another slot's values.
+  slots no row uses, so no row's output is ever computed from another slot's values: a shrink
+  kernel split over ``in`` writes partial sums of ``x A^T`` that an expand kernel adds up, each
+  program multiplying one tile of its slot's rows only (the rows grouped by slot, ``group_rows``).
 * ``qk_rope_cache``: per-head RMSNorm of q and k (Qwen3), rotary embedding, and the write of
   the step's k and v into the cache at each row's position.
 * ``decode_attention``: each row's query heads against cache columns ``[0, length)`` of its own
@@ -39,6 +41,11 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 SPLIT = 64
 """Cache columns per attention block (one program of the decode attention kernel)."""
+GROUP_ROWS = 16
+"""Rows of one slot that the LoRA shrink and expand kernels multiply at once (a tile)."""
+ROW_PROGRAMS = int(os.environ.get("TINKERD_SAMPLER_LORA_ROW_PROGRAMS", "4"))
+"""Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
+are spread over them, and a slot with one tile leaves the others idle."""
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -164,14 +171,15 @@ if triton is not None:
 
     @triton.jit
     def _lora_shrink_kernel(
-        x_ptr, a_ptr, slots_ptr, part_ptr, nrows, k_in, r_total,
-        BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        x_ptr, a_ptr, order_ptr, starts_ptr, part_ptr, nrows, k_in, r_total, tile_step,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
+        # Rows ``order[starts[slot]:starts[slot + 1]]`` use the slot: only they are multiplied.
         slot = tl.program_id(0)
         split = tl.program_id(1)
-        every = tl.arange(0, BLOCK_B)
-        row_slots = tl.load(slots_ptr + every, mask=every < nrows, other=-1)
-        if tl.max((row_slots == slot).to(tl.int32), axis=0) > 0:  # else no row uses the slot: no work
+        lo = tl.load(starts_ptr + slot) + tl.program_id(2) * BLOCK_M  # this program's first tile
+        hi = tl.load(starts_ptr + slot + 1)
+        if lo < hi:  # else the slot has no rows here: no work
             ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
             rs = tl.arange(0, BLOCK_R)
             a = tl.load(
@@ -179,45 +187,54 @@ if triton is not None:
                 mask=rs[:, None] < r_total,
                 other=0.0,
             )  # (R, K)
-            for m0 in range(0, BLOCK_B, BLOCK_M):
-                rows = m0 + tl.arange(0, BLOCK_M)
-                mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
-                x = tl.load(x_ptr + rows[:, None] * k_in + ks[None, :], mask=mine[:, None], other=0.0)
+            for m0 in range(lo, hi, tile_step):  # its tiles: every tile_step-th row from lo
+                at = m0 + tl.arange(0, BLOCK_M)
+                valid = at < hi
+                rows = tl.load(order_ptr + at, mask=valid, other=0)
+                x = tl.load(x_ptr + rows[:, None] * k_in + ks[None, :], mask=valid[:, None], other=0.0)
                 h = tl.dot(x, tl.trans(a))  # (M, R) fp32
                 out = part_ptr + split * nrows * r_total + rows[:, None] * r_total + rs[None, :]
-                tl.store(out, h, mask=mine[:, None] & (rs[None, :] < r_total))
+                tl.store(out, h, mask=valid[:, None] & (rs[None, :] < r_total))
 
     @triton.jit
     def _lora_expand_kernel(
-        y_ptr, part_ptr, b_ptr, slots_ptr, nrows, n_out, r_total, b1, b2,
-        SPLITS: tl.constexpr, RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+        y_ptr, part_ptr, b_ptr, order_ptr, starts_ptr, nrows, n_out, r_total, b1, b2, tile_step,
+        SPLITS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CHUNK: tl.constexpr,
     ):  # fmt: skip
         slot = tl.program_id(0)
         c0 = tl.program_id(1) * CHUNK  # a chunk of columns inside one member's columns
-        rows = tl.arange(0, BLOCK_B)
-        mine = tl.load(slots_ptr + rows, mask=rows < nrows, other=-1) == slot
-        if tl.max(mine.to(tl.int32), axis=0) > 0:  # else no row uses the slot: no work
+        lo = tl.load(starts_ptr + slot) + tl.program_id(2) * BLOCK_M  # this program's first tile
+        hi = tl.load(starts_ptr + slot + 1)
+        if lo < hi:  # else the slot has no rows here: no work
             member = (c0 >= b1).to(tl.int32) + (c0 >= b2).to(tl.int32)
             rs = tl.arange(0, RANK)
-            h = tl.zeros((BLOCK_B, RANK), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):  # the shrink's partial sums, in a fixed order
-                src = part_ptr + s * nrows * r_total + rows[:, None] * r_total + member * RANK + rs[None, :]
-                h += tl.load(src, mask=mine[:, None], other=0.0)
-            hb = h.to(b_ptr.dtype.element_ty)
-            for n in tl.static_range(0, CHUNK, BLOCK_N):
-                ns = c0 + n + tl.arange(0, BLOCK_N)
-                cols = ns < n_out
-                bt = tl.load(
-                    b_ptr + slot * n_out * RANK + ns[:, None] * RANK + rs[None, :],
-                    mask=cols[:, None],
-                    other=0.0,
-                )
-                delta = tl.dot(hb, tl.trans(bt))  # (B, N) fp32
-                dst = y_ptr + rows[:, None] * n_out + ns[None, :]
-                keep = mine[:, None] & cols[None, :]
-                y = tl.load(dst, mask=keep, other=0.0)
-                tl.store(dst, (y.to(tl.float32) + delta.to(hb.dtype).to(tl.float32)).to(y.dtype), mask=keep)
+            for m0 in range(lo, hi, tile_step):  # its tiles: every tile_step-th row from lo
+                at = m0 + tl.arange(0, BLOCK_M)
+                valid = at < hi
+                rows = tl.load(order_ptr + at, mask=valid, other=0)
+                h = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):  # the shrink's partial sums, in a fixed order
+                    src = (
+                        part_ptr + s * nrows * r_total + rows[:, None] * r_total + member * RANK + rs[None, :]
+                    )
+                    h += tl.load(src, mask=valid[:, None], other=0.0)
+                hb = h.to(b_ptr.dtype.element_ty)
+                for n in tl.static_range(0, CHUNK, BLOCK_N):
+                    ns = c0 + n + tl.arange(0, BLOCK_N)
+                    cols = ns < n_out
+                    bt = tl.load(
+                        b_ptr + slot * n_out * RANK + ns[:, None] * RANK + rs[None, :],
+                        mask=cols[:, None],
+                        other=0.0,
+                    )
+                    delta = tl.dot(hb, tl.trans(bt))  # (M, N) fp32
+                    dst = y_ptr + rows[:, None] * n_out + ns[None, :]
+                    keep = valid[:, None] & cols[None, :]
+                    y = tl.load(dst, mask=keep, other=0.0)
+                    tl.store(
+                        dst, (y.to(tl.float32) + delta.to(hb.dtype).to(tl.float32)).to(y.dtype), mask=keep
+                    )
 
     @triton.jit
     def _qk_rope_cache_kernel(
@@ -362,39 +379,58 @@ def rms_norm(
     return out, total
 
 
+def group_rows(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, starts): the rows sorted by slot, and where each slot's rows begin in that order
+    (``order[starts[s]:starts[s + 1]]`` are the rows of slot ``s``; rows of slot -1 come first and
+    belong to none). On the device, with no host sync: a decode step computes it once for all
+    its projections."""
+    order = torch.argsort(slots, stable=True)
+    bounds = torch.arange(n_slots + 1, device=slots.device, dtype=slots.dtype)
+    starts = torch.searchsorted(slots[order], bounds)
+    return order.to(torch.int32), starts.to(torch.int32)
+
+
 def add_lora(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    bounds: list[int],
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``y`` (B, out) plus each row's LoRA term of ``x`` (B, in); in place on the Triton path."""
+    """``y`` (B, out) plus each row's LoRA term of ``x`` (B, in); in place on the Triton path.
+    ``groups``: ``group_rows(slots, a.shape[0])``, when the caller has it already."""
     if not use_triton(x):
         return y + lora_delta_torch(x[:, None, :], a, b, slots, bounds)[:, 0, :]
     nrows, k_in = x.shape
     n_slots, r_total, _ = a.shape
     rank = b.shape[-1]
     n_out = b.shape[1]
+    sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    cuts = [*bounds[1:-1], n_out, n_out][:2]
+    order, starts = groups if groups is not None else group_rows(slots, n_slots)
     block_k = _pow2_divisor(k_in, 1 << 14)  # the smallest power-of-two split with <= 32 splits
     while block_k > 16 and k_in // (block_k // 2) <= 32:
         block_k //= 2
     splits = k_in // block_k
-    block_b = max(16, triton.next_power_of_2(nrows))
     part = torch.empty(splits, nrows, r_total, device=x.device, dtype=torch.float32)
     shrink: Any = _lora_shrink_kernel
-    shrink[(n_slots, splits)](
-        x, a, slots, part, nrows, k_in, r_total,
-        BLOCK_B=block_b, BLOCK_R=max(16, triton.next_power_of_2(r_total)), BLOCK_K=block_k, BLOCK_M=16,
-        num_warps=4,
+    # Each slot's rows in tiles of GROUP_ROWS, spread over up to ROW_PROGRAMS programs per (slot, block)
+    programs = min(ROW_PROGRAMS, triton.cdiv(nrows, GROUP_ROWS))
+    step = programs * GROUP_ROWS
+    shrink[(n_slots, splits, programs)](
+        x, a, order, starts, part, nrows, k_in, r_total, step,
+        BLOCK_R=max(16, triton.next_power_of_2(r_total)), BLOCK_K=block_k, BLOCK_M=GROUP_ROWS, num_warps=4,
     )  # fmt: skip
-    sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
     chunk = 1024
     for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
         chunk = min(chunk, _pow2_divisor(size, 1024))
     chunk = min(chunk, triton.next_power_of_2(sizes[-1]))
-    block_n = min(128, chunk)
-    cuts = [*bounds[1:-1], n_out, n_out][:2]
     expand: Any = _lora_expand_kernel
-    expand[(n_slots, triton.cdiv(n_out, chunk))](
-        y, part, b, slots, nrows, n_out, r_total, cuts[0], cuts[1],
-        SPLITS=splits, RANK=rank, BLOCK_B=block_b, BLOCK_N=block_n, CHUNK=chunk, num_warps=4,
+    expand[(n_slots, triton.cdiv(n_out, chunk), programs)](
+        y, part, b, order, starts, nrows, n_out, r_total, cuts[0], cuts[1], step,
+        SPLITS=splits, RANK=rank, BLOCK_M=GROUP_ROWS, BLOCK_N=min(128, chunk), CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return y
 

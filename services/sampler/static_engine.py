@@ -268,9 +268,16 @@ class StaticCacheEngine(HFEngine):
         )
 
     @staticmethod
-    def _project(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` (B, in) through ``p``, each row with its own LoRA slot."""
-        return ops.add_lora(F.linear(x, p.weight, p.bias), x, p.lora.a, p.lora.b, slots, p.lora.bounds)
+    def _project(
+        p: _Projection,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rows ``x`` (B, in) through ``p``, each row with its own LoRA slot (``groups``: the
+        rows grouped by slot, ``ops.group_rows``, shared by a step's projections)."""
+        y = F.linear(x, p.weight, p.bias)
+        return ops.add_lora(y, x, p.lora.a, p.lora.b, slots, p.lora.bounds, groups)
 
     @staticmethod
     def _project_seq(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -279,11 +286,15 @@ class StaticCacheEngine(HFEngine):
         return y + ops.lora_delta_torch(x, p.lora.a, p.lora.b, slots, p.lora.bounds)
 
     def _unembed(
-        self, hidden: torch.Tensor, slots: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """fp32 logits (N, V) of final hidden states ``hidden + residual`` (N, H), before the norm."""
         h, _ = ops.rms_norm(hidden, cast(torch.Tensor, self._norm.weight), self._eps, residual)
-        return self._project(self._head, h, slots).float()
+        return self._project(self._head, h, slots, groups).float()
 
     def _decode_forward(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
         """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes).
@@ -295,20 +306,21 @@ class StaticCacheEngine(HFEngine):
         cos, sin = self._rotary(x[:, None], positions[:, None])
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # (b, D)
         lengths = positions + 1
+        groups = ops.group_rows(slots, self._pool.slots) if ops.use_triton(x) else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self._fused):
             h, x = ops.rms_norm(x, layer.input_norm, self._eps, residual)
-            qkv = self._project(layer.qkv, h, slots)
+            qkv = self._project(layer.qkv, h, slots, groups)
             q = ops.qk_rope_cache(
                 qkv, layer.q_norm, layer.k_norm, self._eps, cos, sin, self._k[i], self._v[i],
                 positions, self._heads, self._kv_heads,
             )  # fmt: skip
             o = ops.decode_attention(q, self._k[i], self._v[i], lengths, self._scale, window)
-            o = self._project(layer.o, o.reshape(b, -1), slots)
+            o = self._project(layer.o, o.reshape(b, -1), slots, groups)
             h, x = ops.rms_norm(x, layer.post_norm, self._eps, o)
-            act = ops.silu_mul(self._project(layer.gate_up, h, slots))
-            residual = self._project(layer.down, act, slots)
-        return self._greedy_outputs(self._unembed(x, slots, residual))
+            act = ops.silu_mul(self._project(layer.gate_up, h, slots, groups))
+            residual = self._project(layer.down, act, slots, groups)
+        return self._greedy_outputs(self._unembed(x, slots, residual, groups))
 
     @staticmethod
     def _greedy_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
