@@ -311,3 +311,46 @@ def test_norm_results_are_read_as_one_vector_equal_to_stacking_them(device: str)
     assert _vector(list(buffer.unbind(0))) is buffer
     strided = list(torch.arange(12.0, device=device)[::3].unbind(0))
     assert torch.equal(_vector(strided), torch.stack(strided))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pooled_rows_are_clipped_by_each_slots_own_norm_as_when_stepped_alone(device: str) -> None:
+    """Slots 0-3 of a pool whose every slot trains whole rows are clipped (a clip norm far below
+    their gradients' norms) and stepped in one call; on copies of the same pool each of them is
+    stepped alone. Their reported norms, weights and moments are bit-identical both ways (a
+    slot's norm and clip coefficient come from its own rows only), and slot 4, which is not
+    stepped and holds a pending gradient with a NaN, keeps that gradient bit for bit."""
+    rank, slots = 4, 5
+    hp = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1, grad_clip_norm=1e-3)
+    pools = [_rows_pool(slots, rank, device, seed=11, aligned=True) for _ in range(2)]
+    for params in pools:
+        _set_grads(params, 4, rank, torch.Generator(device=device).manual_seed(12), 1.0)
+        params[0].grad[4, 0, 0] = float("nan")  # type: ignore[index]
+    pending = [_bits(t.grad()) for t in _tensors(pools[0], 4, rank)]  # type: ignore[arg-type]
+    together, alone = _optimizer(device), _optimizer(device)
+    for step in range(2):
+        for params in pools:
+            gen = torch.Generator(device=device).manual_seed(13 + step)
+            for slot in range(4):
+                _set_grads(params, slot, rank, gen, 1.0)
+        shared = together.step_many([(s, _tensors(pools[0], s, rank), hp) for s in range(4)])
+        single = {s: alone.step(s, _tensors(pools[1], s, rank), hp) for s in range(4)}
+        for s in range(4):
+            assert shared[s].applied and single[s].applied
+            assert (
+                shared[s].grad_norm == single[s].grad_norm and shared[s].grad_norm > 100 * hp.grad_clip_norm
+            )
+            for a, b in zip(_tensors(pools[0], s, rank), _tensors(pools[1], s, rank), strict=True):
+                assert torch.equal(_bits(a.value()), _bits(b.value())), (s, a.name)
+                m_a, v_a = together.moments(a)
+                m_b, v_b = alone.moments(b)
+                assert torch.equal(_bits(m_a), _bits(m_b)) and torch.equal(_bits(v_a), _bits(v_b)), (
+                    s,
+                    a.name,
+                )
+        for t, before in zip(_tensors(pools[0], 4, rank), pending, strict=True):
+            assert torch.equal(_bits(t.grad()), before), t.name  # type: ignore[arg-type]
