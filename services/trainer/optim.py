@@ -23,11 +23,8 @@ whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: 
 ``param[a:b]`` per parameter and run ``a..b-1`` of consecutive such slots in the group, instead of
 one per parameter and slot (``_Layout``; the kernel is elementwise, so each element gets the same
 bits; on the CPU only where every slot row is a multiple of 64 floats, see ``_CPU_ROW_ALIGN``).
-The norms stay per slot: for pooled slots, one fp64 reduction per parameter over every slot's row
-of the whole pool (``_row_squares``: its shape never depends on which slots are stepped), and their
-clipping one product per parameter with each row's own coefficient (``_clip_rows``); for the
-others one ``_foreach_norm`` over their tensors. Either way a slot's norm, clip coefficient and
-result never depend on which other slots share the call. The finiteness
+The norms stay per slot and tensor (one ``_foreach_norm`` over all of them), so a slot's norm,
+clip coefficient and result never depend on which other slots share the call. The finiteness
 check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
 ``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
 the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
@@ -294,17 +291,10 @@ class SlotAdamW:
             self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
         ]
         measure = [f and b is None for f, b in zip(fused, known, strict=True)]
-        rows = [
-            v.layout if f and v.layout is not None and v.layout.poolable else None
-            for v, f in zip(views, fused, strict=True)
-        ]  # slots whose norms and clipping go by pooled rows (see _row_squares)
-        row_squares = _row_squares({id(layout): layout for layout in rows if layout is not None})
-        slots = [slot for slot, _, _ in requests]
-        norms, measured = _norms_and_peaks(views, presents, measure, device, slots, rows, row_squares)
+        norms, measured = _norms_and_peaks(views, presents, measure, device)
         peaks = [b if b is not None else m for b, m in zip(known, measured, strict=True)]
         reports: dict[int, StepReport] = {}
         groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
-        clip_rows: dict[int, tuple[_Layout, dict[int, float]]] = {}  # by id(layout): slot -> coefficient
         for i, ((slot, tensors, hp), v, present) in enumerate(zip(requests, views, presents, strict=True)):
             norm = norms[i]
             if not math.isfinite(norm):
@@ -314,15 +304,10 @@ class SlotAdamW:
                 )
                 continue
             coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
-            step = self.steps.get(slot, 0) + 1
-            safe = fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i])
-            layout = rows[i]
             if coef != 1.0 and present:  # a product by 1.0 is exact: skipping it changes no bit
-                if safe and layout is not None:
-                    clip_rows.setdefault(id(layout), (layout, {}))[1][slot] = coef  # with its pool, below
-                else:
-                    torch._foreach_mul_(present, coef)
-            if safe:
+                torch._foreach_mul_(present, coef)
+            step = self.steps.get(slot, 0) + 1
+            if fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i]):
                 self.steps[slot] = step
                 self._bounds[slot] = _next_bounds(hp, step, norm * coef, *peaks[i])
                 key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, step)
@@ -331,8 +316,6 @@ class SlotAdamW:
             else:
                 self._bounds.pop(slot, None)  # measured again before its next fused step
                 reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
-        for pool_layout, coefs in clip_rows.values():
-            _clip_rows(pool_layout, coefs, device)
         for (lr, beta1, beta2, eps, wd, step), members in groups.items():
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
@@ -522,71 +505,19 @@ def _fused_step_is_safe(
     return all(math.isfinite(b) and b < _F32_MAX / 4 for b in bounds)
 
 
-def _row_squares(layouts: dict[int, _Layout]) -> dict[int, torch.Tensor]:
-    """``[parameters, pool slots]`` fp64 squared norms of every slot's row of every gradient of
-    each layout: one reduction per parameter over the whole pool, whichever slots are stepped, so
-    that a slot's norm has the same bits whatever other slots share the call (the kernel's shape,
-    and so its summation order, never changes). On CUDA this is a few hundred launches where the
-    per-slot views would be tens of thousands of tensors for ``_foreach_norm``."""
-    out = {}
-    for key, layout in layouts.items():
-        grads = [g for g in layout.grads if g is not None]
-        out[key] = (
-            torch.stack(
-                [
-                    torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 2, dim=1, dtype=torch.float64)
-                    for g in grads
-                ]
-            )
-            ** 2
-        )
-    return out
-
-
-def _clip_rows(layout: _Layout, coefs: dict[int, float], device: torch.device) -> None:
-    """Multiply the gradient rows of the slots in ``coefs`` by their clip coefficients: one
-    product per parameter (a row whose slot is not in ``coefs`` is multiplied by 1.0, which changes
-    no bit); each product is the fp32 one ``_foreach_mul_`` computes with the same coefficient."""
-    rows = layout.params[0].shape[0]
-    factor = [1.0] * rows
-    for slot, coef in coefs.items():
-        factor[slot] = coef
-    scale = torch.tensor(factor, dtype=torch.float32, device=device)
-    for g in layout.grads:
-        if g is not None:
-            g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
-
-
 def _norms_and_peaks(
-    views: list[_SlotViews],
-    presents: list[list[torch.Tensor]],
-    fused: list[bool],
-    device: torch.device,
-    slots: list[int] | None = None,
-    rows: list[_Layout | None] | None = None,
-    row_squares: dict[int, torch.Tensor] | None = None,
+    views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
 ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel, its sums masked rather
-    than indexed; or, for a slot whose ``rows`` entry is a layout, from its column of
-    ``row_squares``) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over
-    TP (a sum of the ranks' maxima: an upper bound, equal on every rank) and read back with one
-    host sync."""
-    by_rows = rows if rows is not None else [None] * len(views)
-    all_grads = [
-        g for present, layout in zip(presents, by_rows, strict=True) if layout is None for g in present
-    ]
+    than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
+    maxima: an upper bound, equal on every rank) and read back with one host sync."""
+    all_grads = [g for present in presents for g in present]
     squares = _vector(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sharded_sums, replicated_sums = [], []
     offset = 0
-    for i, (v, present) in enumerate(zip(views, presents, strict=True)):
-        layout = by_rows[i]
-        if present and layout is not None:
-            assert row_squares is not None and slots is not None and v.sharded is not None
-            part = row_squares[id(layout)][:, slots[i]]  # this slot's row of every parameter
-            sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
-            replicated_sums.append(torch.where(v.sharded, 0.0, part).sum())
-        elif present:
+    for v, present in zip(views, presents, strict=True):
+        if present:
             assert squares is not None and v.sharded is not None
             part = squares[offset : offset + len(present)]  # masked sums: no host sync (no nonzero)
             sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
