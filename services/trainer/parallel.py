@@ -12,8 +12,39 @@ rendezvous port (gloo's own listener binds a port of the kernel's choice).
 
 from __future__ import annotations
 
+import importlib
+import sys
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+
+def import_megatron() -> None:
+    """Import megatron-core with its fusion decorators left as the plain functions they wrap.
+
+    Importing ``megatron.core`` applies ``torch.compile`` as a decorator to about forty fused
+    functions (``megatron.core.jit.jit_fuser``: bias-GELU, bias-SwiGLU, bias-dropout-add, ...),
+    and the first ``torch.compile`` imports TorchDynamo: about 4 s of CPU in every trainer process
+    and rank, at every start and restart. The trainer's ``TransformerConfig`` switches each of those
+    fusions off (``model.build_model``), so none of them is ever called. Megatron's own switch,
+    ``megatron.core.jit.disable_jit_fuser``, can only run once megatron is imported, after the
+    decorators ran; so while megatron is first imported ``torch.compile`` is a decorator that
+    returns its function unchanged (what ``disable_jit_fuser`` makes ``jit_fuser``), and it is
+    put back right after. A no-op once megatron is loaded.
+    """
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def as_is(model: Any = None, **_: Any) -> Any:
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = as_is  # type: ignore[assignment]
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_
 
 
 def ensure_model_parallel(device: str) -> int:
@@ -25,6 +56,7 @@ def ensure_model_parallel(device: str) -> int:
     Returns:
         The tensor-parallel size (the world size).
     """
+    import_megatron()
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
