@@ -10,9 +10,11 @@ failures an Intel AVX-512 machine showed). The plain suite run under ``make test
 machine's own capability at one thread (the Makefile gives every pytest-xdist worker one torch
 thread), so the matrix runs the machine's own capability at two threads.
 
-Two cuts keep the matrix to distinct paths only. A path that is the same as an earlier one on this
-machine (the machine's own capability is AVX2, so "own" is "avx2") is skipped, saying which it
-equals. And the tensor-parallel test (services/trainer/tests/test_tp.py) runs on the 1-thread paths
+Three cuts keep the matrix to distinct paths only. A path that is the same as an earlier one on
+this machine (the machine's own capability is AVX2, so "own" is "avx2") is skipped, saying which it
+equals; so is the path the suite itself is running on (its thread count, the machine's own
+capability, its MKL code path: under ``make test``, one thread and AVX2 on an AVX2 machine), whose
+``numerics`` tests this very run already passes. And the tensor-parallel test (services/trainer/tests/test_tp.py) runs on the 1-thread paths
 only: its TP=2 ranks pin themselves to one thread, so on a 2-thread path only its TP=1 side would
 change, and that side is the engine whose arithmetic on that path every other ``numerics`` test of
 the trainer checks.
@@ -56,6 +58,17 @@ def path_key(env: dict[str, str], own: str) -> tuple[str, str, str]:
     return env["OMP_NUM_THREADS"], env.get("ATEN_CPU_CAPABILITY", own).lower(), env.get("MKL_CBWR", "")
 
 
+def suite_path(own: str) -> tuple[str, str, str]:
+    """The path this process computes on: its torch threads, capability and MKL code path."""
+    import torch
+
+    return (
+        str(torch.get_num_threads()),
+        os.environ.get("ATEN_CPU_CAPABILITY", own).lower(),
+        os.environ.get("MKL_CBWR", ""),
+    )
+
+
 @pytest.mark.parametrize("env", PATHS)
 def test_numerical_tests_pass_on_this_cpu_path(env: dict[str, str], tmp_path: Path) -> None:
     """Every ``numerics`` test passes (none fails, none errors, at least 40 run) under ``env``."""
@@ -64,6 +77,8 @@ def test_numerical_tests_pass_on_this_cpu_path(env: dict[str, str], tmp_path: Pa
     same = [p.id for p, e in zip(PATHS[: envs.index(env)], envs, strict=False) if path_key(e, own) == path_key(env, own)]
     if same:
         pytest.skip(f"the same path as {same[0]} on this machine (its own capability is {own})")
+    if path_key(env, own) == suite_path(own):
+        pytest.skip(f"the path this suite runs on ({suite_path(own)}): its numerics tests run in it")
     deselect = ["--deselect", TP_TEST] if env["OMP_NUM_THREADS"] != "1" else []
     run_env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
     run_env.update(env, PYTHONPATH=str(ROOT))
