@@ -13,7 +13,7 @@ the CUDA tests hold the kernels to, and what runs on the CPU.
   slot's matrices; rows of slot ``-1`` get nothing.  The kernels work per (slot, block) and skip
   slots no row uses, so no row's output is ever computed from another slot's values: a shrink
   kernel split over ``in`` writes partial sums of ``x A^T`` that an expand kernel adds up, each
-  program multiplying one tile of its slot's rows only (the rows grouped by slot, ``group_rows``).
+  program multiplying tiles of its own slot's rows only (the rows grouped by slot, ``group_rows``).
 * ``qk_rope_cache``: per-head RMSNorm of q and k (Qwen3), rotary embedding, and the write of
   the step's k and v into the cache at each row's position.
 * ``decode_attention``: each row's query heads against cache columns ``[0, length)`` of its own

@@ -55,8 +55,8 @@ def test_cuda_rms_norm_with_residual_matches_float64(batch: int) -> None:
 )
 def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slots_used: int) -> None:
     """q/k/v-shaped group: 8 slots of rank 32; rows use ``slots_used`` of them, some rows none.
-    The unused slots hold NaN: no output row may see them. A program multiplies one tile of
-    ``GROUP_ROWS`` rows of a slot: 16 and 17 rows of 5 slots, 64 rows of 3, fill one or several."""
+    The unused slots hold NaN: no output row may see them. The kernels take a slot's rows in tiles
+    of ``GROUP_ROWS``: 16 and 17 rows of 5 slots and 64 rows of 3 fill one tile or several."""
     n_slots, rank, k_in, bounds = 8, 32, 4096, [0, 4096, 5120, 6144]
     a = rnd(n_slots, 3 * rank, k_in, scale=k_in**-0.5)
     b = rnd(n_slots, bounds[-1], rank, scale=0.05)
