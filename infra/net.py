@@ -184,3 +184,12 @@ def announce_file_from_env(env: Mapping[str, str]) -> Path | None:
     """Where this process announces its address (`TINKERD_ANNOUNCE_FILE`, set by the supervisor)."""
     value = env.get("TINKERD_ANNOUNCE_FILE")
     return Path(value) if value else None
+
+
+def host_id() -> str:
+    """This machine's identity for memory shared between its processes (CUDA IPC, shared memory):
+    the kernel's boot id, which containers of one host share, else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()

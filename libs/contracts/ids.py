@@ -146,6 +146,12 @@ def adapter_name(owner: str, name: str, version: str) -> str:
     return f"{token(owner)}.{name}.{version}"
 
 
+def handover_msg_id(request_id: str) -> str:
+    """The `Nats-Msg-Id` of an ephemeral save's handover command (its files' command, which
+    follows, carries the request id itself)."""
+    return f"{request_id}.handover"
+
+
 def planner_snapshot_name(group: str) -> str:
     """The planner's snapshot object in `tinker_snapshots`, named by its trainer group."""
     return f"planner.{token(group)}"

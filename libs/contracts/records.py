@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from libs.contracts.common import LoraConfig
+from libs.contracts.publish import AdapterHandover
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -74,7 +75,8 @@ class SamplerRecord(msgspec.Struct, kw_only=True):
     base_model: str
     model_path: str | None = None  # tinker:// path of the sampler export, None for the base model
     adapter_name: str | None = None  # the name the sampling engine knows the adapter by
-    adapter_dir: str | None = None
+    adapter_dir: str | None = None  # None while only the handover exists (the files follow)
+    handover: AdapterHandover | None = None  # ephemeral exports, until adapter_dir is set
     pending_request_id: str | None = None  # ephemeral samplers: the save that produces the export
     created_ns: int = 0
     inflight_model_id: str | None = None  # inflight samplers: the model whose inflight target they follow
@@ -89,7 +91,8 @@ class InflightTarget(msgspec.Struct, kw_only=True, frozen=True):
     seq_id: int  # the save that produced it
     sampler_id: str  # the inflight sampling client that save created
     adapter_name: str
-    adapter_dir: str
+    adapter_dir: str | None = None  # None while only the handover exists (the files follow)
+    handover: AdapterHandover | None = None
     updated_ns: int = 0
 
 

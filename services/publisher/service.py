@@ -7,7 +7,13 @@ record the checkpoint in the catalogue (or the ephemeral sampler's adapter), ans
 future and emit CheckpointPublished. Every step is idempotent, and the message is acked last, so a
 publisher killed at any point redoes the work on restart with the same result.
 
-A save completes once its directory is durable. The publisher makes no call to a sampling engine:
+A save completes once its directory is durable, with one exception: an ephemeral sampler export
+handed over from the trainer's memory (libs/contracts/publish.py) is answered by its handover
+command, which records the handover on its sampler; its files' command follows and records the
+directory (`adapter_dir`), after which the handover is no longer offered. A handover never
+replaces a directory already recorded, whatever order the two commands arrive in.
+
+The publisher makes no call to a sampling engine:
 engines get adapters on demand from the gateway's sample path (services/gateway/sampling/engines.py), so
 no state of an engine (down, restarting, replaced) can fail or delay a save.
 """
@@ -34,7 +40,7 @@ from libs.contracts import subjects as s
 from libs.contracts.common import now_ns
 from libs.contracts.events import CheckpointPublished
 from libs.contracts.ids import TinkerPath
-from libs.contracts.publish import PublishCommand
+from libs.contracts.publish import AdapterHandover, PublishCommand
 from libs.contracts.records import CheckpointRecord, InflightTarget, SamplerRecord
 from libs.contracts.results import (
     Failure,
@@ -100,7 +106,12 @@ class PublisherService:
     async def _on_messages(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             publish = codec.publish_decoder.decode(msg.data)
-            if await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id)):
+            answered = await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id))
+            # an ephemeral export's files, after its handover answered the save: still to be placed
+            files_after_handover = (
+                publish.sampling_session_id is not None and publish.handover is None and publish.error is None
+            )
+            if answered and not files_after_handover:
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
                 # Redoing it could switch a name back to an older version: only ack it.
                 _remove_staged(Path(publish.staging_dir))
@@ -138,7 +149,8 @@ class PublisherService:
                 body = Failure(
                     error=f"publishing the checkpoint failed: {type(exc).__name__}: {exc}", category="server"
                 )
-            await self._answer(publish, body)
+            if not answered:
+                await self._answer(publish, body)
             crash_point("publisher.answered")  # fault tests: result appended, publication not acked
             await msg.ack()
 
@@ -180,17 +192,15 @@ class PublisherService:
             body = named_save_result(kind, p.tinker_path, record.size_bytes)
         else:
             assert p.sampling_session_id is not None
-            version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
-            await asyncio.to_thread(
-                layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
-            )
+            directory: str | None = None
+            if p.handover is None:
+                version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
+                await asyncio.to_thread(
+                    layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
+                )
+                directory = str(version_dir)
             engine_name = ids.adapter_name(p.sampling_session_id, "ephemeral", p.version)
-            kv = await self.bus.kv(s.KV_SAMPLERS)
-            key = ids.token(p.sampling_session_id)
-            entry = await kv.get(key)
-            sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
-            sampler.adapter_name, sampler.adapter_dir = engine_name, str(version_dir)
-            await kv.put(key, codec.to_json(sampler))
+            sampler = await record_export(self.bus, p.sampling_session_id, engine_name, directory, p.handover)
             if sampler.inflight_model_id and sampler.save_seq_id is not None:
                 # before the save answers: its completion means the target has moved
                 await advance_inflight(
@@ -200,11 +210,13 @@ class PublisherService:
                         seq_id=sampler.save_seq_id,
                         sampler_id=p.sampling_session_id,
                         adapter_name=engine_name,
-                        adapter_dir=str(version_dir),
+                        adapter_dir=directory,
+                        handover=p.handover if directory is None else None,
                         updated_ns=now_ns(),
                     ),
                 )
-            await self._event(p, engine_name, version_dir)
+            if directory is not None:
+                await self._event(p, engine_name, Path(directory))
             body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
         _remove_staged(staging)
         return body
@@ -245,6 +257,30 @@ class PublisherService:
                 await reap_expired(self.bus, self.data_dir, time.time_ns())
 
 
+async def record_export(
+    bus: Bus, sampler_id: str, adapter_name: str, directory: str | None, handover: AdapterHandover | None
+) -> SamplerRecord:
+    """Record an ephemeral export on its sampler: its directory (which ends any handover), or its
+    handover while no directory is recorded; compare-and-set, so the two commands of one save
+    agree in any order."""
+    kv = await bus.kv(s.KV_SAMPLERS)
+    key = ids.token(sampler_id)
+    while True:
+        entry = await kv.get(key)
+        sampler = codec.from_json(entry.value or b"{}", SamplerRecord)
+        if directory is not None:
+            sampler.adapter_name, sampler.adapter_dir, sampler.handover = adapter_name, directory, None
+        elif sampler.adapter_dir is None:
+            sampler.adapter_name, sampler.handover = adapter_name, handover
+        else:
+            return sampler  # its files' command came first: nothing to add
+        try:
+            await kv.update(key, codec.to_json(sampler), last=entry.revision)
+            return sampler
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue  # another writer got there first: look again
+
+
 async def advance_inflight(bus: Bus, target: InflightTarget) -> bool:
     """Make `target` its model's inflight target unless a newer save's (a higher seq_id) is
     there already (a redelivered older publication never moves it back); compare-and-set, so
@@ -263,8 +299,9 @@ async def advance_inflight(bus: Bus, target: InflightTarget) -> bool:
             current = codec.from_json(entry.value, InflightTarget)
             if current.seq_id > target.seq_id:
                 return False
-            if current.seq_id == target.seq_id and current.adapter_name == target.adapter_name:
-                return True
+            same_save = current.seq_id == target.seq_id and current.adapter_name == target.adapter_name
+            if same_save and (current.adapter_dir is not None or target.adapter_dir is None):
+                return True  # recorded already (a handover never replaces its files)
             await kv.update(key, value, last=entry.revision)
             return True
         except nats.js.errors.KeyWrongLastSequenceError:

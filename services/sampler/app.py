@@ -1,6 +1,7 @@
 """The sampler's HTTP surface: the subset of SGLang's server API that Tinkerd calls.
 
-Routes: ``POST /generate``, ``POST /abort_request``, ``POST /load_lora_adapter``, ``POST /unload_lora_adapter``,
+Routes: ``POST /generate``, ``POST /abort_request``, ``POST /load_lora_adapter``,
+``POST /load_lora_adapter_from_tensors``, ``POST /unload_lora_adapter``,
 ``GET /server_info`` (alias ``/get_server_info``), ``GET /get_model_info`` (alias
 ``/model_info``), ``GET /health`` and ``GET /health_generate``.  Handlers only translate
 (``translate.py``) and delegate to an ``Engine``; errors use SGLang's bodies: 400
@@ -29,6 +30,7 @@ from services.sampler.wire import (
     ErrorResponse,
     GenerateOutput,
     GenerateReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     LoRAUpdateOutput,
     ModelInfo,
@@ -126,6 +128,31 @@ async def load_lora_adapter(data: LoadLoRAAdapterReqInput, state: State) -> Resp
     engine = _engine(state)
     try:
         await engine.load_adapter(data.lora_name, data.lora_path, pinned=data.pinned)
+    except AdapterError as exc:
+        return Response(
+            LoRAUpdateOutput(success=False, error_message=str(exc), loaded_adapters=engine.adapters()),
+            status_code=400,
+        )
+    return Response(LoRAUpdateOutput(success=True, error_message="", loaded_adapters=engine.adapters()))
+
+
+@post("/load_lora_adapter_from_tensors", status_code=200)
+async def load_lora_adapter_from_tensors(
+    data: LoadLoRAAdapterFromTensorsReqInput, state: State
+) -> Response[LoRAUpdateOutput]:
+    """Load a PEFT LoRA from tensors in another process's memory on this host (SGLang's route and
+    fields; one tensor-parallel rank here, so only the first entry is read)."""
+    engine = _engine(state)
+    try:
+        if data.load_format is not None:
+            raise AdapterError(f"load_format {data.load_format!r} is not supported (only the default)")
+        if data.added_tokens_config:
+            raise AdapterError("added_tokens_config is not supported: adapters cannot add tokens")
+        if not data.serialized_named_tensors:
+            raise AdapterError("serialized_named_tensors is empty")
+        await engine.load_adapter_tensors(
+            data.lora_name, data.config_dict, data.serialized_named_tensors[0], pinned=data.pinned
+        )
     except AdapterError as exc:
         return Response(
             LoRAUpdateOutput(success=False, error_message=str(exc), loaded_adapters=engine.adapters()),
@@ -246,6 +273,7 @@ def create_app(config: SamplerConfig, engine: Engine | None = None) -> Litestar:
             generate,
             abort_request,
             load_lora_adapter,
+            load_lora_adapter_from_tensors,
             unload_lora_adapter,
             server_info,
             model_info,

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from services.sampler import handover
 from services.sampler.batch import KVBatch, left_pad
 from services.sampler.config import SamplerConfig
 from services.sampler.interface import (
@@ -44,7 +45,15 @@ from services.sampler.interface import (
     SequenceResult,
     TopK,
 )
-from services.sampler.lora import AdapterError, AdapterRegistry, LoadedAdapter, install_lora, read_adapter
+from services.sampler.lora import (
+    TENSOR_SOURCE,
+    AdapterError,
+    AdapterRegistry,
+    LoadedAdapter,
+    adapter_from_tensors,
+    install_lora,
+    read_adapter,
+)
 from services.sampler.sampling import Finish, choose_token, finish_reason, trim_text
 from services.sampler.wire import EngineCounters
 
@@ -135,6 +144,7 @@ class HFEngine:
             lora_target_modules=sorted({name.rsplit(".", 1)[-1] for name in bases}),
             eos_token_ids=sorted(eos),
         )
+        self._lora_bases = bases
         loader = functools.partial(read_adapter, bases=bases, max_rank=config.max_lora_rank)
         self._registry = AdapterRegistry(loader, config.max_loaded_loras)
 
@@ -201,6 +211,20 @@ class HFEngine:
 
     async def load_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
         await asyncio.to_thread(self._registry.register, name, path, pinned=pinned)
+
+    async def load_adapter_tensors(
+        self, name: str, config: dict[str, Any], payload: str, *, pinned: bool = False
+    ) -> None:
+        def load() -> LoadedAdapter:
+            try:
+                tensors = handover.decode(payload)
+            except handover.HandoverError as exc:
+                raise AdapterError(f"adapter {name!r}: {exc}") from exc
+            return adapter_from_tensors(
+                name, TENSOR_SOURCE, config, tensors, self._lora_bases, self.config.max_lora_rank
+            )  # copies: the sender's memory is not kept
+
+        await asyncio.to_thread(self._registry.register_loaded, name, load, TENSOR_SOURCE, pinned=pinned)
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._registry.unregister, name)

@@ -8,7 +8,7 @@ flattens SGLang's batches and ``n`` samples into ``SequenceRequest`` rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -91,6 +91,13 @@ class Engine(Protocol):
 
     async def load_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
         """Serve the PEFT LoRA directory ``path`` as ``name``; raises ``AdapterError``."""
+        ...
+
+    async def load_adapter_tensors(
+        self, name: str, config: dict[str, Any], payload: str, *, pinned: bool = False
+    ) -> None:
+        """Serve a PEFT LoRA given as its config and one ``serialized_named_tensors`` entry
+        (services/sampler/handover.py) as ``name``; raises ``AdapterError``."""
         ...
 
     async def unload_adapter(self, name: str) -> None:

@@ -13,7 +13,9 @@ LoRA matmuls run once per distinct adapter, never per row.  This is exactly PEFT
 
 ``AdapterRegistry`` maps names to directories and keeps at most ``capacity`` adapters
 resident, evicting the least recently used unpinned one.  An evicted adapter stays
-registered and is reloaded from its directory on its next use.  Rows that are already
+registered and is reloaded from its directory on its next use; one loaded from tensors
+(``/load_lora_adapter_from_tensors``: it has no directory, ``TENSOR_SOURCE``) is forgotten
+when evicted, and its next use answers "not loaded", so the caller loads it again.  Rows that are already
 decoding hold their adapter object, so an eviction or unload never disturbs them.
 
 Why not PEFT itself: its mixed-adapter batches (``adapter_names=`` per forward) fix the
@@ -49,6 +51,8 @@ TARGET_MODULES: tuple[str, ...] = (
     "down_proj",
     "lm_head",
 )
+TENSOR_SOURCE = "__tensor__"
+"""The path an adapter loaded from tensors reports (SGLang's word for it)."""
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT key layout: "base_model.model.<module>.lora_A[.<adapter name>].weight".
@@ -181,6 +185,21 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
         tensors = load_file(str(weights_file), device="cpu")
     except (OSError, ValueError) as exc:
         raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+    return adapter_from_tensors(name, path, cfg, tensors, bases, max_rank)
+
+
+def adapter_from_tensors(
+    name: str,
+    path: str,
+    cfg: dict[str, object],
+    tensors: dict[str, torch.Tensor],
+    bases: dict[str, nn.Linear],
+    max_rank: int,
+) -> LoadedAdapter:
+    """Validate a PEFT LoRA (its ``adapter_config.json`` content and its tensors, on any device)
+    and copy it to the host in fp32; ``path`` names where it came from in messages. Raises ``AdapterError`` as ``read_adapter``."""
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"adapter {path!r}: its config must be a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {path!r} has peft_type {cfg.get('peft_type')!r}; only LORA is supported")
     for flag in ("use_dora", "lora_bias"):
@@ -206,8 +225,9 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
     if not pairs:
         raise AdapterError(f"adapter {path!r} has no LoRA tensors")
 
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))  # type: ignore[arg-type]
+    rank_pattern: dict[str, float] = cfg.get("rank_pattern") or {}  # type: ignore[assignment]
+    alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}  # type: ignore[assignment]
     modules: dict[str, LoRAWeights] = {}
     max_seen = 0
     for module, ab in sorted(pairs.items()):
@@ -218,7 +238,10 @@ def read_adapter(name: str, path: str, bases: dict[str, nn.Linear], max_rank: in
             )
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {path!r} lacks lora_A or lora_B for {module!r}")
-        a, b = ab["A"].float().contiguous(), ab["B"].float().contiguous()
+        # the adapter's own fp32 copies on the host, freshly allocated whatever the source (a
+        # file's mmap, another process's memory): the same values compute the same results
+        a = ab["A"].to("cpu", torch.float32, copy=True)
+        b = ab["B"].to("cpu", torch.float32, copy=True)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"adapter {path!r}: {module} has non-finite values (NaN or inf)")
         in_features, out_features = bases[module].in_features, bases[module].out_features
@@ -364,13 +387,20 @@ class AdapterRegistry:
             AdapterError: the name is taken, the adapter is invalid, or every resident
                 adapter is pinned.
         """
+        self.register_loaded(name, lambda: self._loader(name, path), path, pinned=pinned)
+
+    def register_loaded(
+        self, name: str, load: Callable[[], LoadedAdapter], path: str, *, pinned: bool = False
+    ) -> None:
+        """Serve what ``load`` returns under ``name`` (``path``: where it came from, or
+        ``TENSOR_SOURCE``); raises as ``register``."""
         with self._lock:
             if name in self._entries:
                 raise AdapterError(
                     f"the LoRA adapter with name {name!r} is already loaded; names are immutable, "
                     "unload it first or use a new name"
                 )
-            adapter = self._loader(name, path)
+            adapter = load()
             self._admit(adapter)
             self._entries[name] = _Entry(path=path, pinned=pinned)
 
@@ -386,6 +416,9 @@ class AdapterRegistry:
         """The resident adapter ``name``, reloading it from its directory if it was evicted."""
         with self._lock:
             entry = self._entries.get(name)
+            if entry is not None and entry.path == TENSOR_SOURCE and name not in self._resident:
+                del self._entries[name]  # evicted, and it has no directory to come back from
+                entry = None
             if entry is None:
                 # SGLang's words, which clients match to load the adapter and try again.
                 raise AdapterError(

@@ -121,6 +121,19 @@ class LoadLoRAAdapterReqInput(msgspec.Struct, kw_only=True):
     pinned: bool = False
 
 
+class LoadLoRAAdapterFromTensorsReqInput(msgspec.Struct, kw_only=True):
+    """Body of ``POST /load_lora_adapter_from_tensors`` (SGLang's fields; Tinkerd sends the
+    first three): ``serialized_named_tensors`` holds one entry per tensor-parallel rank
+    (services/sampler/handover.py)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    load_format: str | None = None
+    added_tokens_config: dict[str, int] | None = None
+
+
 class UnloadLoRAAdapterReqInput(msgspec.Struct, kw_only=True):
     """Body of ``POST /unload_lora_adapter``."""
 

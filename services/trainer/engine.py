@@ -264,13 +264,19 @@ class TrainerEngine:
 
     # ---- state ----
 
-    def get_slot_state(self, slot: int, with_optimizer: bool = True, for_snapshot: bool = False) -> SlotState:
+    def get_slot_state(
+        self, slot: int, with_optimizer: bool = True, for_snapshot: bool = False, on_device: bool = False
+    ) -> SlotState:
         """``for_snapshot``: the tensors are copies in ``snapshot_buffers`` (reused by the next
-        snapshot; pinned on CUDA), not tensors of their own."""
+        snapshot; pinned on CUDA), not tensors of their own. ``on_device``: the full-layout tensors
+        where the slot lives, views of it where no gather was needed (the caller copies them
+        before the slot changes)."""
         self._require_slot(slot)
         host = self.snapshot_buffers if for_snapshot else None
         follower = for_snapshot and tp_rank() != 0  # joins the gathers; only rank 0 keeps a copy
-        return slot_state.get_slot_state(self.pool, self.optimizer, slot, with_optimizer, host, follower)
+        return slot_state.get_slot_state(
+            self.pool, self.optimizer, slot, with_optimizer, host, follower or on_device
+        )
 
     def get_slot_grads(self, slot: int, for_snapshot: bool = False) -> dict[str, torch.Tensor]:
         """The slot's accumulated gradients, keyed and laid out like ``SlotState.adapter``

@@ -107,9 +107,16 @@ class Executor:
     """Applies units to the engine; keeps which model owns which slot, and the paged-out ones."""
 
     def __init__(
-        self, engine: TrainerEngine, base_model: str, data_dir: Path, pages: PageStore, adopt: Adopt = _no_adoption
+        self,
+        engine: TrainerEngine,
+        base_model: str,
+        data_dir: Path,
+        pages: PageStore,
+        adopt: Adopt = _no_adoption,
+        handover: bool = False,
     ) -> None:
         self.engine = engine
+        self.handover = handover  # ephemeral exports handed over from memory (state/checkpoints.py)
         self.base_model = base_model
         self.data_dir = data_dir
         self.pages = pages
@@ -229,7 +236,10 @@ class Executor:
         """Copy the slot for the save (its files are written behind the unit path); the publisher
         answers its future once they are fsynced."""
         if not replaying or op.request_id in redo:
-            saves.append(checkpoints.prepare(self.engine, self.base_model, self.data_dir, unit.unit_id, op))
+            handover = self.handover and not replaying  # a redo's engine answer is long gone: files only
+            saves.append(
+                checkpoints.prepare(self.engine, self.base_model, self.data_dir, unit.unit_id, op, handover)
+            )
         return _handed_off(op)
 
     def _steps(self, steps: list[StepSlot]) -> list[OpOutcome]:

@@ -6,7 +6,9 @@ later unit that already has an outcome is re-executed without emitting anything.
 deterministic, so the adapters, optimizer moments and pending gradients come back exactly.
 A save whose unit has an outcome but whose request has no result yet (the trainer died before
 its files were written and handed to the publisher: they are written behind the unit path) is
-redone from the replayed state, which is the state it copied (``Recovered.saves``).
+redone from the replayed state, which is the state it copied (``Recovered.saves``); so is an
+ephemeral export that was answered by its handover but whose files never reached the publisher
+(its sampler record names no directory yet).
 Recovery also collects the units another group's takeover abandoned (`AdoptSlot.abandoned` of
 units on any group's work subject, `from_group` this one): the service skips them when they are
 redelivered (services/trainer/adoption.py).
@@ -20,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from infra.bus import Bus, has_message, last_seq, replay
-from libs.contracts import codec
+from libs.contracts import codec, ids
 from libs.contracts import subjects as s
+from libs.contracts.records import SamplerRecord
 from libs.contracts.work import AdoptSlot, BarrierUnit, ExportSlot, SaveSlot, Unit
 from services.trainer.execute import Executor
 from services.trainer.state import snapshots
@@ -102,12 +106,28 @@ async def recover(bus: Bus, executor: Executor, group: str, data_dir: Path) -> R
 
 
 async def unanswered_saves(bus: Bus, units: list[Unit]) -> set[str]:
-    """The request ids of the saves in ``units`` that have no result yet."""
-    requests = [
-        op.request_id
+    """The request ids of the saves in ``units`` that have no result yet, and of the ephemeral
+    exports answered by a handover whose files never reached the publisher."""
+    ops = [
+        op
         for unit in units
         if isinstance(unit, BarrierUnit)
         for op in unit.ops
         if isinstance(op, (SaveSlot, ExportSlot))
     ]
-    return {rid for rid in requests if not await has_message(bus, s.STREAM_RESULTS, s.result_subject(rid))}
+    redo = set()
+    for op in ops:
+        if not await has_message(bus, s.STREAM_RESULTS, s.result_subject(op.request_id)) or (isinstance(op, ExportSlot) and op.sampling_session_id and not await _durable(bus, op.sampling_session_id)):
+            redo.add(op.request_id)
+    return redo
+
+
+async def _durable(bus: Bus, sampler_id: str) -> bool:
+    """Whether an ephemeral export's files reached the publisher (its sampler names a directory)."""
+    kv = await bus.kv(s.KV_SAMPLERS)
+    try:
+        entry = await kv.get(ids.token(sampler_id))
+    except nats.js.errors.KeyNotFoundError:
+        return True  # the sampler is gone (its session ended): nothing left to serve
+    record = codec.from_json(entry.value or b"{}", SamplerRecord)
+    return record.adapter_dir is not None

@@ -8,9 +8,15 @@ save of the same name must not be overtaken by an earlier one); saves of differe
 side by side. At most ``limit`` saves hold their host copies at a time: a unit that would start
 one more waits for the oldest (memory stays bounded).
 
-A crash leaves a save whose unit has an outcome but whose command was never published; the
-trainer's recovery redoes it from the replayed state (services/trainer/recovery.py), and the
-service takes no snapshot while a save is being written, so such a unit is always replayed.
+An ephemeral export copied into a handover (services/trainer/handover.py) is published twice:
+its handover command at once, before any file (the publisher answers the save with it), and its
+files' command once they are fsynced, as every save. The ``Shelf`` keeps the handover readable
+until then and a while after.
+
+A crash leaves a save whose unit has an outcome but whose command was never published (or, for
+a handover, whose files never were); the trainer's recovery redoes it from the replayed state
+(services/trainer/recovery.py), and the service takes no snapshot while a save is being written,
+so such a unit is always replayed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import msgspec
 
 from libs.contracts.publish import PublishCommand
 from libs.faults import crash_point
+from services.trainer.handover import Shelf
 from services.trainer.state import checkpoints
 
 log = logging.getLogger("tinkerd.trainer")
@@ -34,9 +41,10 @@ Publish = Callable[[PublishCommand], Awaitable[None]]
 
 
 class BackgroundSaves:
-    def __init__(self, publish: Publish, limit: int) -> None:
+    def __init__(self, publish: Publish, limit: int, shelf: Shelf | None = None) -> None:
         self._publish = publish
         self._limit = max(1, limit)
+        self.shelf = shelf if shelf is not None else Shelf(keep_s=0.0, limit=0)
         self._pool = ThreadPoolExecutor(self._limit, thread_name_prefix="save-writer")
         self._lanes: dict[str, asyncio.Task[None]] = {}  # model id -> its newest save
         self._running: list[asyncio.Task[None]] = []  # every save not finished, oldest first
@@ -49,7 +57,11 @@ class BackgroundSaves:
 
     async def submit(self, save: checkpoints.PendingSave) -> None:
         """Start writing ``save`` (after the same model's earlier saves); returns at once unless
-        ``limit`` saves are being written already."""
+        ``limit`` saves are being written already. A handover is published first, at once."""
+        if save.handover is not None:
+            self.shelf.hold(save.handover)
+            await self._publish_until_sent(msgspec.structs.replace(save.command, handover=save.handover.ref))
+            crash_point("trainer.handover_published")  # fault tests: answered, its files not written
         while self.pending >= self._limit:
             await asyncio.wait([self._running[0]])
         previous = self._lanes.get(save.model_id)
@@ -72,14 +84,19 @@ class BackgroundSaves:
             log.exception("writing the files of %s failed", save.command.request_id)
             error = f"saving failed: the trainer could not build the checkpoint files ({type(exc).__name__}: {exc})"
             command = msgspec.structs.replace(save.command, error=error)
+        await self._publish_until_sent(command)
+        if command.error is None:
+            self.shelf.durable(command.request_id)  # a failed write keeps its handover readable
+        crash_point("trainer.save_handed_off")  # fault tests: published, the unit's outcome before it
+
+    async def _publish_until_sent(self, command: PublishCommand) -> None:
         while True:
             try:
                 await self._publish(command)
-                break
+                return
             except Exception:  # the bus is away: the command must still go out, once it is back
                 log.exception("handing %s to the publisher failed; retrying", command.request_id)
                 await asyncio.sleep(1.0)
-        crash_point("trainer.save_handed_off")  # fault tests: published, the unit's outcome before it
 
     async def drain(self) -> None:
         """Wait for every save submitted so far to be published."""

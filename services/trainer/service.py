@@ -45,6 +45,7 @@ from services.trainer import adoption, group
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
+from services.trainer.handover import Shelf, remove_orphan_segments
 from services.trainer.recovery import recover
 from services.trainer.saves import BackgroundSaves
 from services.trainer.state import snapshots as trainer_snapshots
@@ -65,8 +66,11 @@ class TrainerService:
         self.data_dir = Path(config.data_dir).expanduser().resolve()
         pages = PageStore(layout.page_store_dir(self.data_dir, config.group), config.host_page_budget_bytes)
         self.takeovers = adoption.Takeovers()
-        self.executor = Executor(engine, base_model, self.data_dir, pages, adopt=self.takeovers)
-        self.saves = BackgroundSaves(self._hand_off, config.save_writers)
+        self.executor = Executor(
+            engine, base_model, self.data_dir, pages, adopt=self.takeovers, handover=config.handover
+        )
+        shelf = Shelf(config.handover_keep_s, config.handover_limit)
+        self.saves = BackgroundSaves(self._hand_off, config.save_writers, shelf)
         self.trainer_id = config.trainer_id or f"{config.group}-{socket.gethostname()}-{os.getpid()}"
         self.completed: set[str] = set()
         self.abandoned: set[str] = set()  # this group's units another group took over (skipped)
@@ -87,6 +91,9 @@ class TrainerService:
 
     async def recover(self) -> int:
         """Rebuild every slot (see recovery.py); returns how many units were re-executed."""
+        removed = remove_orphan_segments()  # handovers of trainers killed before they let them go
+        if removed:
+            log.info("removed %d handover segments of trainers that are gone", removed)
         state = await recover(self.bus, self.executor, self.config.group, self.data_dir)
         self.completed = state.completed
         self.abandoned = state.abandoned
@@ -173,8 +180,10 @@ class TrainerService:
             )
 
     async def _hand_off(self, command: PublishCommand) -> None:
-        """A save's files are fsynced: the publisher makes them a version and answers the save."""
-        await self.bus.publish(s.publish_subject(command.model_id), codec.pack(command), msg_id=command.request_id)
+        """A save's files are fsynced (or, with a handover, its adapter is readable from here): the
+        publisher makes them a version and answers the save."""
+        msg_id = ids.handover_msg_id(command.request_id) if command.handover else command.request_id
+        await self.bus.publish(s.publish_subject(command.model_id), codec.pack(command), msg_id=msg_id)
 
     async def _gather_adoptions(self, unit: Unit) -> None:
         """Before a takeover unit: read what each lost group's files and streams say (adoption.py)."""

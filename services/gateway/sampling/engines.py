@@ -1,7 +1,9 @@
 """The sampling engines as the gateway sees them: which one serves a sample, and what it holds.
 
 Adapters reach the engines on demand. A sampler export is a directory on disk; nothing is
-pushed to an engine when it is saved. The sample path makes sure the engine that serves the
+pushed to an engine when it is saved. An ephemeral export whose files are not recorded yet has a
+handover instead (the trainer's memory, libs/contracts/publish.py), which the engine loads
+through `/load_lora_adapter_from_tensors`; once the directory is recorded, it serves. The sample path makes sure the engine that serves the
 sample holds the export's adapter (`/load_lora_adapter` when it is missing), so an engine that
 restarted, or a new one, serves every existing export without anyone re-publishing it:
 
@@ -40,6 +42,7 @@ import httpx
 
 from infra.net import announced_path, resolve_address
 from infra.stack_state import UP, ServiceState, describe, read_state
+from libs.contracts.publish import AdapterHandover
 from services.gateway.sampling import sglang
 
 log = logging.getLogger("tinkerd.gateway.engines")
@@ -51,10 +54,12 @@ PROBE_MAX_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """A sampler export as the engines know it: its engine-side name and its directory."""
+    """A sampler export as the engines know it: its engine-side name, its directory, and, before
+    the directory is recorded, its handover."""
 
     name: str
-    directory: str | None  # None: only the name is known (the engine must already hold it)
+    directory: str | None  # None: not recorded yet, or only the name is known
+    handover: AdapterHandover | None = None
 
 
 def rendezvous(urls: list[str], key: str) -> list[str]:
@@ -187,8 +192,8 @@ class Residency:
         """Hold `adapter` on the engine for the duration of one `/generate`."""
         self.users[adapter.name] += 1
         try:
-            if adapter.directory is not None:
-                await self._ensure(adapter.name, adapter.directory)
+            if adapter.directory is not None or adapter.handover is not None:
+                await self._ensure(adapter)
             yield
         finally:
             self.users[adapter.name] -= 1
@@ -200,13 +205,14 @@ class Residency:
         """The engine said it does not hold `name` (it restarted or evicted it)."""
         self.resident.pop(name, None)
 
-    async def _ensure(self, name: str, directory: str) -> None:
+    async def _ensure(self, adapter: Adapter) -> None:
+        name = adapter.name
         if name in self.resident:
             self.resident.move_to_end(name)
             return
         pending = self._loading.get(name)
         if pending is None:
-            pending = asyncio.ensure_future(self._load(name, directory))
+            pending = asyncio.ensure_future(self._load(adapter))
             self._loading[name] = pending
         await asyncio.shield(pending)  # a cancelled sample does not cancel a load others wait for
 
@@ -214,19 +220,25 @@ class Residency:
     def url(self) -> str:
         return self.engine.url()
 
-    async def _load(self, name: str, directory: str) -> None:
+    async def _load(self, adapter: Adapter) -> None:
         started = time.perf_counter()
+        name = adapter.name
         try:
-            reported = await sglang.load_adapter(self.client, self.url, name, directory)
+            if adapter.directory is not None:
+                reported = await sglang.load_adapter(self.client, self.url, name, adapter.directory)
+            else:
+                assert adapter.handover is not None
+                reported = await sglang.load_adapter_from_tensors(self.client, self.url, name, adapter.handover)
             self.loads += 1
-            self.resident[name] = directory
+            self.resident[name] = adapter.directory or ""
             self.resident.move_to_end(name)
             if reported is not None and name in reported:  # a report without it cannot be trusted
                 self._reconcile(reported)
             log.info(
-                "loaded adapter %s into %s in %.0f ms (%d held)",
+                "loaded adapter %s into %s %s in %.0f ms (%d held)",
                 name,
                 self.engine.address,
+                "from its files" if adapter.directory is not None else "from the trainer's memory",
                 (time.perf_counter() - started) * 1e3,
                 len(self.resident),
             )
@@ -360,7 +372,8 @@ class EnginePool:
                 try:
                     return await sglang.generate(self.client, url, request)
                 except sglang.EngineError as exc:
-                    if not sglang.adapter_missing(exc) or adapter.directory is None or attempt == MISSING_RETRIES:
+                    loadable = adapter.directory is not None or adapter.handover is not None
+                    if not sglang.adapter_missing(exc) or not loadable or attempt == MISSING_RETRIES:
                         raise
                     residency.forget(adapter.name)
                     log.info("%s does not hold adapter %s: loading it again", url, adapter.name)

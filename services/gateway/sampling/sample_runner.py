@@ -12,7 +12,9 @@ future answers `try_again` with `queue_state: paused_capacity` and the engines' 
 as an engine passes its check again. It fails, naming the engines and why, once every engine of
 its base model has been failing for `engine_failing_s`, and in any case past `sample_deadline_s`
 after it was accepted.
-The adapter it samples with is loaded into the engine on demand (see `engines.py`); the engines
+The adapter it samples with is loaded into the engine on demand (see `engines.py`): from its files,
+or, for an ephemeral export whose files are not recorded yet, from the trainer's memory; when the
+engine cannot read that handover, the sample waits for the files (within its deadline). The engines
 are those of the sampler's base model (`Gateway.pool`). An inflight sampler samples with its
 model's inflight target when that is its own save or a newer one (`InflightTarget`); a
 generation runs on the adapter it started with.
@@ -191,6 +193,8 @@ class SampleRunner:
                 try:
                     outputs = await engines.generate(request, adapter)
                     break
+                except sglang.HandoverUnreadable as exc:
+                    adapter = await self._files_of(job.sampler_id, deadline_ns, str(exc))
                 except sglang.EngineUnavailable as exc:
                     left_s = (deadline_ns - now_ns()) / 1e9
                     if left_s <= 0:
@@ -255,6 +259,24 @@ class SampleRunner:
         with contextlib.suppress(Exception):
             await self.gateway.store.delete(s.KV_QUEUE, ids.token(job.request_id))
 
+    async def _files_of(self, sampler_id: str, deadline_ns: int, why: str) -> Adapter | None:
+        """The sampler's adapter once its files are recorded (its handover could not be read:
+        `why`). Their command follows the handover's by one write and fsync, and the sampler record
+        is the only place that says when it has been published: polled, with backoff."""
+        log.info("sampler %s: the engine could not read its handover (%s); waiting for its files", sampler_id, why)
+        delay = 0.02
+        while True:
+            adapter, _ = await self._adapter(sampler_id)
+            if adapter is None or adapter.directory is not None:
+                return adapter
+            if now_ns() >= deadline_ns:
+                raise RuntimeError(
+                    f"the engine could not load this sampler's adapter from the trainer's memory ({why}), "
+                    "and its files were not saved within the sample's deadline"
+                )
+            await asyncio.sleep(delay)  # backoff between reads of the sampler record
+            delay = min(1.0, delay * 2)
+
     async def _adapter(self, sampler_id: str) -> tuple[Adapter | None, str]:
         """(the adapter to sample with (None: the base model), the sampler's base model), waiting
         for a pending save."""
@@ -272,8 +294,9 @@ class SampleRunner:
         if sampler.inflight_model_id:  # the model's inflight target: this client's save or a newer one
             target = await store.get(s.KV_INFLIGHT, ids.token(sampler.inflight_model_id), InflightTarget)
             if target is not None and target.seq_id >= (sampler.save_seq_id or 0):
-                return Adapter(name=target.adapter_name, directory=target.adapter_dir), sampler.base_model
-        return Adapter(name=sampler.adapter_name, directory=sampler.adapter_dir), sampler.base_model
+                adapter = Adapter(target.adapter_name, target.adapter_dir, target.handover)
+                return adapter, sampler.base_model
+        return Adapter(sampler.adapter_name, sampler.adapter_dir, sampler.handover), sampler.base_model
 
 
 class _Cancelled(Exception):

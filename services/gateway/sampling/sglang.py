@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from libs.contracts.publish import AdapterHandover
 from libs.contracts.results import SampledSequence, SampleResult, TopK
 
 Entry = tuple[float | None, int, Any]
@@ -144,6 +145,36 @@ async def load_adapter(client: httpx.AsyncClient, url: str, name: str, path: str
     if "already" in message.lower():  # SGLang: "... already exists"; the CPU sampler: "already loaded"
         return reported_adapters(update)
     raise EngineError(response.status_code, message)
+
+
+class HandoverUnreadable(Exception):
+    """The engine could not load an adapter from a trainer's memory (the trainer let it go or is
+    gone, the engine is on another host, or it has no such route): its files must serve."""
+
+
+async def load_adapter_from_tensors(
+    client: httpx.AsyncClient, url: str, name: str, handover: AdapterHandover
+) -> dict[str, str] | None:
+    """Load a handed-over adapter under `name` (SGLang's `/load_lora_adapter_from_tensors`; the
+    trainer serialized its tensors as that route reads them). "Already loaded" counts as success.
+
+    Raises:
+        HandoverUnreadable: the engine refused it (the reason is the message).
+    """
+    body = {
+        "lora_name": name,
+        "config_dict": handover.config,
+        "serialized_named_tensors": [handover.tensors],
+        "pinned": False,
+    }
+    response = await _post(client, url, "/load_lora_adapter_from_tensors", body)
+    update = _update(response)
+    if response.status_code == 200 and update.success:
+        return reported_adapters(update)
+    message = update.error_message or response.text[:500]
+    if "already" in message.lower():
+        return reported_adapters(update)
+    raise HandoverUnreadable(f"HTTP {response.status_code}: {message}")
 
 
 async def unload_adapter(client: httpx.AsyncClient, url: str, name: str) -> None:

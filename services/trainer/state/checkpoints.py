@@ -11,6 +11,10 @@ A save has two halves, so that no unit waits for a file write:
   directory atomically and fsyncs it, and returns the command to publish, or, when the data
   directory refused the write, the same command carrying the error for the publisher to answer.
 
+An ephemeral sampler export with ``handover`` copies the slot into a ``Handover`` instead
+(services/trainer/handover.py: device memory on CUDA, no host copy on the unit path); its files
+are built from that copy by ``write``.
+
 The publisher makes the staged directory an immutable, named version (services/publisher/).
 The file formats are libs/checkpoints/state_format.py's.
 """
@@ -34,6 +38,7 @@ from libs.contracts.common import now_ns
 from libs.contracts.publish import PublishCommand
 from libs.contracts.work import ExportSlot, SaveSlot
 from services.trainer.engine import TrainerEngine
+from services.trainer.handover import Handover
 from services.trainer.slot_state import SlotState
 
 log = logging.getLogger("tinkerd.trainer")
@@ -41,12 +46,21 @@ log = logging.getLogger("tinkerd.trainer")
 
 @dataclass(frozen=True)
 class PendingSave:
-    """A save whose slot is copied: the files to write, where, and the command that publishes them."""
+    """A save whose slot is copied: the files to write, where, and the command that publishes them
+    (with a ``handover``, the files are built from it when they are written)."""
 
     files: dict[str, FileData]
     staging: Path
     command: PublishCommand
     copy_ms: float  # the unit path's stall for this save
+    handover: Handover | None = None
+    export_meta: fmt.SamplerExportMeta | None = None  # a handover's export: its files' metadata
+
+    def contents(self) -> dict[str, FileData]:
+        if self.handover is None:
+            return self.files
+        assert self.export_meta is not None
+        return peft_files(self.handover.host_tensors(), self.handover.ref.config, self.export_meta)
 
     @property
     def model_id(self) -> str:
@@ -54,11 +68,22 @@ class PendingSave:
 
 
 def prepare(
-    engine: TrainerEngine, base_model: str, data_dir: Path, unit_id: str, op: SaveSlot | ExportSlot
+    engine: TrainerEngine,
+    base_model: str,
+    data_dir: Path,
+    unit_id: str,
+    op: SaveSlot | ExportSlot,
+    handover: bool = False,
 ) -> PendingSave:
-    """Copy the slot's state to the host and build the save's files over the copy (no write)."""
+    """Copy the slot's state to the host and build the save's files over the copy (no write);
+    with ``handover``, an ephemeral export is copied into a ``Handover`` instead."""
     started = time.perf_counter()
-    state = engine.get_slot_state(op.slot, with_optimizer=isinstance(op, SaveSlot))  # one host copy
+    shared: Handover | None = None
+    export_meta: fmt.SamplerExportMeta | None = None
+    files: dict[str, FileData] = {}
+    handing_over = handover and isinstance(op, ExportSlot) and op.sampling_session_id is not None
+    # views of the slot on its device for a handover (copied into the handover), else one host copy
+    state = engine.get_slot_state(op.slot, with_optimizer=isinstance(op, SaveSlot), on_device=handing_over)
     if isinstance(op, SaveSlot):
         meta = fmt.TrainingStateMeta(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
@@ -71,7 +96,10 @@ def prepare(
         export_meta = fmt.SamplerExportMeta(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
         )
-        files = peft_files(tensors, adapter_config, export_meta)
+        if handing_over:
+            shared = Handover(op.request_id, tensors, adapter_config)  # the save's own copy
+        else:
+            files = peft_files(tensors, adapter_config, export_meta)
         kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
     command = PublishCommand(
         kind=kind,
@@ -91,7 +119,7 @@ def prepare(
         at_ns=now_ns(),
     )
     copy_ms = (time.perf_counter() - started) * 1e3
-    return PendingSave(files, Path(command.staging_dir), command, copy_ms)
+    return PendingSave(files, Path(command.staging_dir), command, copy_ms, shared, export_meta)
 
 
 def write(save: PendingSave) -> PublishCommand:
@@ -99,8 +127,9 @@ def write(save: PendingSave) -> PublishCommand:
     the data directory refuses leaves nothing behind and yields the command with its ``error``."""
     started = time.perf_counter()
     command = save.command
+    files = save.contents()
     try:
-        layout.write_dir_atomically(save.staging, save.files)
+        layout.write_dir_atomically(save.staging, files)
     except OSError as exc:
         log.warning("%s of %s: the staging write failed (%s)", command.kind, command.model_id, exc)
         return msgspec.structs.replace(command, error=storage_error(command, exc), at_ns=now_ns())
@@ -108,7 +137,7 @@ def write(save: PendingSave) -> PublishCommand:
         "%s of %s (%.0f MB): host copy %.0f ms on the unit path, written and fsynced %.0f ms in the background",
         command.kind,
         command.model_id,
-        sum(len(data) for data in save.files.values()) / 1e6,
+        sum(len(data) for data in files.values()) / 1e6,
         save.copy_ms,
         (time.perf_counter() - started) * 1e3,
     )
