@@ -579,8 +579,12 @@ class Bench:
                         "trainer_units_per_call": units,
                     },
                 )
-            # Per-call overhead at this shape: SDK round trip minus the trainer's execute.
-            self.overhead(stack, clients[0], adam)
+            # Per-call overhead at this shape: SDK round trip minus the trainer's execute (its failure
+            # is recorded and does not stop the measurements after it).
+            try:
+                self.overhead(stack, clients[0], adam)
+            except Exception:
+                self.results.error("overhead", traceback.format_exc())
 
             # save_weights_for_sampler -> first sample; save_state.
             prompt = types.ModelInput.from_ints(self.tokens(77, 16))
@@ -596,7 +600,20 @@ class Bench:
                     "save_to_sample",
                     {"try": k, "save_s": saved, "first_sample_s": total - saved, "total_s": total},
                 )
-            for k in range(2):
+            # save_weights_and_get_sampling_client() (ephemeral: handed over from the trainer's
+            # memory) -> first sample; then the handover's parity with a named save of the same state.
+            for k in range(5):
+                t = time.perf_counter()
+                ephemeral = clients[0].save_weights_and_get_sampling_client().result()
+                saved = time.perf_counter() - t
+                ephemeral.sample(prompt=prompt, num_samples=1, sampling_params=one).result()
+                total = time.perf_counter() - t
+                self.row(
+                    "ephemeral_to_sample",
+                    {"try": k, "save_s": saved, "first_sample_s": total - saved, "total_s": total},
+                )
+            self.handover_parity(services[0], clients[0], ephemeral, types)
+            for k in range(3):
                 t = time.perf_counter()
                 clients[0].save_state(f"state{k}").result()
                 self.row("save_state", {"try": k, "s": time.perf_counter() - t})
@@ -722,6 +739,24 @@ class Bench:
         self.results.put("logprobs", "sampler_vs_trainer_sdk", stats)
         self.log("sampler vs trainer (SDK)", stats)
 
+    def handover_parity(self, service: Any, client: Any, ephemeral: Any, types: Any) -> None:
+        """The last ephemeral sampler (loaded from the trainer's memory) against a named save of
+        the same state (loaded from its files): greedy tokens and logprobs, exactly."""
+        prompt = types.ModelInput.from_ints(self.tokens(78, 32))
+        params = types.SamplingParams(max_tokens=16 if not self.tiny else 8, temperature=0.0)
+        named = service.create_sampling_client(model_path=client.save_weights_for_sampler("parity").result().path)
+        a = ephemeral.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        b = named.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        diffs = [abs(x - y) for x, y in zip(a.logprobs or [], b.logprobs or [], strict=False)]
+        parity = {
+            "tokens_equal": list(a.tokens) == list(b.tokens),
+            "logprobs_equal": list(a.logprobs or []) == list(b.logprobs or []),
+            "max_abs_logprob_diff": max(diffs) if diffs else 0.0,
+            "tokens": len(a.tokens),
+        }
+        self.results.put("stack", "handover_parity", parity)
+        self.log("handover parity", parity)
+
     def rl(self, stack: Any) -> None:
         """tinker-cookbook's RL loop (arithmetic environment), several tenants concurrently."""
         import tinker_cookbook.utils.cost_estimation as cost_estimation
@@ -822,6 +857,12 @@ class Bench:
                 ("wall s", "wall_s"),
             ],
             "save_to_sample": [
+                ("try", "try"),
+                ("save s", "save_s"),
+                ("first sample s", "first_sample_s"),
+                ("total s", "total_s"),
+            ],
+            "ephemeral_to_sample": [
                 ("try", "try"),
                 ("save s", "save_s"),
                 ("first sample s", "first_sample_s"),

@@ -1,4 +1,5 @@
-"""A process that hands a PEFT adapter over as Tinkerd's trainer does (services/trainer/handover.py):
+"""A process that hands a PEFT adapter over as Tinkerd's trainer does (services/trainer/handover.py;
+from CPU memory or, given `cuda`, from device memory):
 it prints the `AdapterHandover` as JSON, keeps the tensors until a line arrives on stdin, then
 lets them go (as its `Shelf` releases them) and exits once a second line arrives (or at once
 when stdin closes)."""
@@ -15,9 +16,9 @@ from libs.contracts import codec
 from services.trainer.handover import Handover
 
 
-def main(directory: str) -> None:
+def main(directory: str, device: str) -> None:
     root = Path(directory)
-    tensors = load_file(str(root / "adapter_model.safetensors"))
+    tensors = load_file(str(root / "adapter_model.safetensors"), device=device)
     config = json.loads((root / "adapter_config.json").read_text())
     handover = Handover("request-1", tensors, config)
     sys.stdout.write(codec.to_json(handover.ref).decode() + "\n")
@@ -30,4 +31,4 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")

@@ -58,10 +58,10 @@ def client(model_dir: Path) -> Iterator[TestClient]:
 class Producer:
     """The handing-over process (tests/integration/handover_producer.py)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, device: str = "cpu") -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.handover_producer", str(directory)],
+            [sys.executable, "-m", "tests.integration.handover_producer", str(directory), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -104,22 +104,30 @@ def greedy(client: TestClient, adapter: str) -> dict[str, Any]:
     return result
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_an_adapter_handed_over_from_another_process_samples_as_its_directory_does(
-    client: TestClient, adapter_dir: Path
+    client: TestClient, adapter_dir: Path, device: str
 ) -> None:
-    """Loaded from the sender's shared memory, the adapter gives the same tokens and logprobs as
-    the same adapter loaded from its directory, and the engine reports it as loaded from tensors."""
-    producer = Producer(adapter_dir)
+    """Loaded from the sender's memory (a shared-memory segment, or CUDA IPC handles into its
+    device memory), the adapter gives the same tokens and logprobs as the same adapter loaded
+    from its directory, and the engine reports it as loaded from tensors."""
+    producer = Producer(adapter_dir, device)
     try:
-        assert producer.ref.device == "cpu"
-        response = load_tensors(client, "from-memory", producer.ref)
+        assert producer.ref.device == device
+        response = load_tensors(client, f"from-{device}-memory", producer.ref)
         assert response.status_code == 200, response.text
-        assert response.json()["loaded_adapters"]["from-memory"] == "__tensor__"
+        assert response.json()["loaded_adapters"][f"from-{device}-memory"] == "__tensor__"
     finally:
         producer.close()  # the engine holds its own copy: the sender may go
-    loaded = client.post("/load_lora_adapter", json={"lora_name": "from-files", "lora_path": str(adapter_dir)})
+    loaded = client.post("/load_lora_adapter", json={"lora_name": f"files-{device}", "lora_path": str(adapter_dir)})
     assert loaded.status_code == 200, loaded.text
-    from_memory, from_files = greedy(client, "from-memory"), greedy(client, "from-files")
+    from_memory, from_files = greedy(client, f"from-{device}-memory"), greedy(client, f"files-{device}")
     assert from_memory["output_ids"] == from_files["output_ids"]
     assert from_memory["meta_info"]["output_token_logprobs"] == from_files["meta_info"]["output_token_logprobs"]
     base = client.post(
