@@ -113,8 +113,10 @@ class PublisherService:
             )
             if answered and not files_after_handover:
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
-                # Redoing it could switch a name back to an older version: only ack it.
-                _remove_staged(Path(publish.staging_dir))
+                # Redoing it could switch a name back to an older version: only ack it. (A
+                # handover's staging directory is its files' command's, maybe being written now.)
+                if publish.handover is None:
+                    _remove_staged(Path(publish.staging_dir))
                 await msg.ack()
                 continue
             if publish.error is not None:  # the trainer could not write the files: nothing to publish
@@ -137,7 +139,8 @@ class PublisherService:
                 )
             except OSError as exc:  # a full disk: the writer removed its temporary directory
                 log.exception("publishing %s failed", publish.request_id)
-                _remove_staged(Path(publish.staging_dir))  # this publication is over
+                if publish.handover is None:
+                    _remove_staged(Path(publish.staging_dir))  # this publication is over
                 kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
                 body = Failure(
                     error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
@@ -218,7 +221,8 @@ class PublisherService:
             if directory is not None:
                 await self._event(p, engine_name, Path(directory))
             body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
-        _remove_staged(staging)
+        if p.handover is None:  # a handover's staging directory belongs to its files' command
+            _remove_staged(staging)
         return body
 
     async def _event(self, p: PublishCommand, engine_name: str, directory: Path) -> None:

@@ -59,7 +59,7 @@ class Producer:
     """The handing-over process (tests/integration/handover_producer.py)."""
 
     def __init__(self, directory: Path, device: str = "cpu") -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.handover_producer", str(directory), device],
             stdin=subprocess.PIPE,
