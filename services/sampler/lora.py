@@ -238,10 +238,15 @@ def adapter_from_tensors(
             )
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {path!r} lacks lora_A or lora_B for {module!r}")
-        # the adapter's own fp32 copies on the host, freshly allocated whatever the source (a
-        # file's mmap, another process's memory): the same values compute the same results
-        a = ab["A"].to("cpu", torch.float32, copy=True)
-        b = ab["B"].to("cpu", torch.float32, copy=True)
+        # the adapter's own fp32 copies, freshly allocated whatever the source (a file's mmap,
+        # another process's memory): the same values compute the same results. They live on the
+        # host, except tensors that arrive on the engine's kind of device (a CUDA handover into
+        # the CUDA engine), which stay there: no host round trip on the way into its LoRA pool.
+        engine_device = bases[module].weight.device
+        on_device = engine_device.type != "cpu" and ab["A"].device.type == engine_device.type
+        home = engine_device if on_device else torch.device("cpu")
+        a = ab["A"].to(home, torch.float32, copy=True)
+        b = ab["B"].to(home, torch.float32, copy=True)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"adapter {path!r}: {module} has non-finite values (NaN or inf)")
         in_features, out_features = bases[module].in_features, bases[module].out_features
