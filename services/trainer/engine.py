@@ -132,6 +132,8 @@ class TrainerEngine:
         self._changes = 0
         self._versions: dict[int, str] = {}
         self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
+        # a save's copy of its slot, on CUDA (state/checkpoints.py)
+        self.save_buffers = slot_state.PinnedPool() if self.device.type == "cuda" else None
 
     @property
     def state_versions(self) -> dict[int, str]:

@@ -84,6 +84,8 @@ class BackgroundSaves:
             log.exception("writing the files of %s failed", save.command.request_id)
             error = f"saving failed: the trainer could not build the checkpoint files ({type(exc).__name__}: {exc})"
             command = msgspec.structs.replace(save.command, error=error)
+        finally:
+            save.release()  # the copy is written (or never will be): its buffer serves the next save
         await self._publish_until_sent(command)
         if command.error is None:
             self.shelf.durable(command.request_id)  # a failed write keeps its handover readable

@@ -21,8 +21,10 @@ The file formats are libs/checkpoints/state_format.py's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +39,16 @@ from libs.checkpoints.tensor_file import TensorFile
 from libs.contracts.common import now_ns
 from libs.contracts.publish import PublishCommand
 from libs.contracts.work import ExportSlot, SaveSlot
+from services.trainer import slot_state
 from services.trainer.engine import TrainerEngine
 from services.trainer.handover import Handover
 from services.trainer.slot_state import SlotState
 
 log = logging.getLogger("tinkerd.trainer")
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class PendingSave:
     copy_ms: float  # the unit path's stall for this save
     handover: Handover | None = None
     export_meta: fmt.SamplerExportMeta | None = None  # a handover's export: its files' metadata
+    release: Callable[[], None] = _nothing  # once written: gives the copy's pinned buffer back
 
     def contents(self) -> dict[str, FileData]:
         if self.handover is None:
@@ -82,8 +90,16 @@ def prepare(
     export_meta: fmt.SamplerExportMeta | None = None
     files: dict[str, FileData] = {}
     handing_over = handover and isinstance(op, ExportSlot) and op.sampling_session_id is not None
-    # views of the slot on its device for a handover (copied into the handover), else one host copy
-    state = engine.get_slot_state(op.slot, with_optimizer=isinstance(op, SaveSlot), on_device=handing_over)
+    release: Callable[[], None] = _nothing
+    pinned = engine.save_buffers
+    # views of the slot on its device: copied into the handover, or into a pinned buffer on CUDA;
+    # else (CPU) one host copy
+    state = engine.get_slot_state(
+        op.slot, with_optimizer=isinstance(op, SaveSlot), on_device=handing_over or pinned is not None
+    )
+    if pinned is not None and not handing_over:
+        state, buffer = slot_state.to_pinned(state, pinned)
+        release = functools.partial(pinned.give, buffer)
     if isinstance(op, SaveSlot):
         meta = fmt.TrainingStateMeta(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
@@ -119,7 +135,7 @@ def prepare(
         at_ns=now_ns(),
     )
     copy_ms = (time.perf_counter() - started) * 1e3
-    return PendingSave(files, Path(command.staging_dir), command, copy_ms, shared, export_meta)
+    return PendingSave(files, Path(command.staging_dir), command, copy_ms, shared, export_meta, release)
 
 
 def write(save: PendingSave) -> PublishCommand:

@@ -1,0 +1,47 @@
+"""A save's copy of its slot on CUDA: one pinned host buffer per save, reused by the next one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libs.contracts.common import LoraConfig
+from services.trainer.slot_state import PinnedPool, SlotState, to_pinned
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def device_state(seed: int) -> SlotState:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    adapter = {"a.lora_A": rand(3, 8, 5), "a.lora_B": rand(7, 8), "out.lora_A": rand(8, 33)}
+    exp_avg = {k: rand(*v.shape) for k, v in adapter.items()}
+    exp_avg_sq = {k: rand(*v.shape).abs() for k, v in adapter.items()}
+    return SlotState(LoraConfig(rank=8), 3, adapter, exp_avg, exp_avg_sq)
+
+
+def test_cuda_pinned_copy_equals_the_slot_state_bit_for_bit_and_its_buffer_serves_the_next_save() -> None:
+    pool = PinnedPool(keep=1)
+    state = device_state(1)
+    copied, buffer = to_pinned(state, pool)
+    assert buffer.is_pinned()
+    for table, original in (
+        (copied.adapter, state.adapter),
+        (copied.exp_avg, state.exp_avg),
+        (copied.exp_avg_sq, state.exp_avg_sq),
+    ):
+        assert table.keys() == original.keys()
+        for name, tensor in table.items():
+            assert tensor.device.type == "cpu" and tensor.is_contiguous()
+            assert torch.equal(tensor, original[name].cpu()), name
+    assert (copied.config, copied.step) == (state.config, state.step)
+
+    pool.give(buffer)
+    later = device_state(2)
+    second, again = to_pinned(later, pool)
+    assert again.data_ptr() == buffer.data_ptr(), "the kept buffer was not reused"
+    for name, tensor in second.exp_avg_sq.items():
+        assert torch.equal(tensor, later.exp_avg_sq[name].cpu()), name
