@@ -20,11 +20,12 @@ separately (``sampling.py``).  Prompt logprobs follow SGLang: entries align with
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -150,6 +151,7 @@ class HFEngine:
 
         self._cond = threading.Condition()
         self._waiting: deque[_Row] = deque()
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future[object]]] = deque()
         self._admitting = True
         self._closed = False
         self._rows: list[_Row] = []  # running rows, in KV-batch order (worker thread only)
@@ -224,7 +226,23 @@ class HFEngine:
                 name, TENSOR_SOURCE, config, tensors, self._lora_bases, self.config.max_lora_rank
             )  # copies: the sender's memory is not kept
 
-        await asyncio.to_thread(self._registry.register_loaded, name, load, TENSOR_SOURCE, pinned=pinned)
+        def load_on_worker() -> LoadedAdapter:
+            return cast(LoadedAdapter, self._on_worker(load))  # it touches the device (CUDA IPC)
+
+        await asyncio.to_thread(self._registry.register_loaded, name, load_on_worker, TENSOR_SOURCE, pinned=pinned)
+
+    def _on_worker(self, call: Callable[[], object]) -> object:
+        """Run ``call`` on the worker thread, between two steps, and return what it returns.
+
+        Every device operation of the engine runs there: a CUDA graph the worker is capturing
+        fails if another thread uses the device meanwhile."""
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise AdapterError("the sampling engine is closed")
+            self._calls.append((call, done))
+            self._cond.notify_all()
+        return done.result()
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._registry.unregister, name)
@@ -334,10 +352,22 @@ class HFEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._rows or (self._admitting and self._waiting))
+                self._cond.wait_for(
+                    lambda: self._closed or self._calls or self._rows or (self._admitting and self._waiting)
+                )
                 if self._closed:
+                    for _, done in self._calls:
+                        done.set_exception(AdapterError("the sampling engine was closed"))
+                    self._calls.clear()
                     return
+                calls = list(self._calls)
+                self._calls.clear()
                 admitted = self._take_admissions() if self._admitting else []
+            for call, done in calls:
+                try:
+                    done.set_result(call())
+                except BaseException as exc:  # the caller's error, raised where it waits
+                    done.set_exception(exc)
             try:
                 with torch.inference_mode():
                     self._drop_abandoned()
