@@ -139,7 +139,6 @@ class Shelf:
         self.limit = max(0, limit)
         self._held: dict[str, Handover] = {}  # request id -> handover whose files are not durable
         self._durable: OrderedDict[str, tuple[Handover, float]] = OrderedDict()  # oldest first
-        self.released = 0
 
     def hold(self, handover: Handover) -> None:
         self._held[handover.request_id] = handover
@@ -161,14 +160,5 @@ class Shelf:
             if until <= now or len(self._durable) > self.limit:
                 handover, _ = self._durable.pop(request_id)
                 handover.release()
-                self.released += 1
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()  # frees device blocks whose engines have let go of them
-
-    @property
-    def nbytes(self) -> int:
-        kept = [*self._held.values(), *(h for h, _ in self._durable.values())]
-        return sum(h.ref.nbytes for h in kept)
-
-    def __len__(self) -> int:
-        return len(self._held) + len(self._durable)

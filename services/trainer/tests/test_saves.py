@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from libs.checkpoints import layout
 from libs.contracts.common import LoraConfig
 from libs.contracts.publish import PublishCommand
 from libs.faults import fired, hits, release
+from services.trainer.handover import Handover, Shelf
 from services.trainer.saves import BackgroundSaves
 from services.trainer.state.checkpoints import PendingSave
 
@@ -86,3 +88,27 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
     assert fired(hold, faults)
     assert handed == ["n:u3", "m:u1", "m:u2"]
     assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"
+
+
+def test_the_shelf_keeps_a_handover_until_its_files_are_durable_then_at_most_limit_of_them(tmp_path: Path) -> None:
+    """Handovers whose files are not durable are all kept; of the durable ones, the newest
+    `limit` stay readable (until `keep_s` passes) and older ones are released: their segments go."""
+    shelf = Shelf(keep_s=3600.0, limit=1)
+    handovers = [Handover(f"r{i}", {"w": torch.full((2, 3), float(i))}, {"r": 1}) for i in range(3)]
+    for handover in handovers:
+        shelf.hold(handover)
+    segments = [h.segment for h in handovers]
+    assert all(s is not None and s.exists() for s in segments)
+
+    shelf.durable("r0")
+    assert all(s is not None and s.exists() for s in segments), "one durable handover is within the limit"
+    shelf.durable("r1")
+    assert segments[0] is not None and not segments[0].exists(), "the older durable handover was kept"
+    assert segments[1] is not None and segments[1].exists() and segments[2] is not None and segments[2].exists()
+
+    expired = Shelf(keep_s=0.0, limit=4)
+    expired.hold(handovers[2])
+    expired.durable("r2")
+    assert not segments[2].exists(), "a handover past keep_s after its files were durable was kept"
+    shelf.durable("r1")  # a second report changes nothing
+    assert segments[1].exists()
