@@ -198,6 +198,8 @@ class PublisherService:
             directory: str | None = None
             if p.handover is None:
                 version_dir = layout.ephemeral_dir(self.data_dir, p.sampling_session_id, p.version)
+                if not staging.exists() and not version_dir.exists():  # never record an empty export
+                    raise RuntimeError(f"the staged files of {p.request_id} are missing ({staging})")
                 await asyncio.to_thread(
                     layout.write_dir_atomically, version_dir, link_from=staging if staging.exists() else None
                 )

@@ -27,9 +27,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from libs.checkpoints import layout
@@ -113,8 +115,12 @@ def prepare(
             base_model=base_model, model_id=op.model_id, tenant=op.tenant, lora=state.config, step=state.step
         )
         if handing_over:
-            shared = Handover(op.request_id, tensors, adapter_config)  # the save's own copy
-        else:
+            shared = _handover(op.request_id, tensors, adapter_config)  # the save's own copy
+            if shared is None:  # no room for it: the files alone, from a host copy
+                host = engine.get_slot_state(op.slot, with_optimizer=False)
+                tensors, adapter_config = engine.export_peft(op.slot, host)
+                adapter_config["base_model_name_or_path"] = base_model
+        if shared is None:
             files = peft_files(tensors, adapter_config, export_meta)
         kind, sampler_id, metadata = "sampler", op.sampling_session_id, None
     command = PublishCommand(
@@ -136,6 +142,16 @@ def prepare(
     )
     copy_ms = (time.perf_counter() - started) * 1e3
     return PendingSave(files, Path(command.staging_dir), command, copy_ms, shared, export_meta, release)
+
+
+def _handover(request_id: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Handover | None:
+    """The export's handover, or None when the memory for it cannot be had (a full /dev/shm, no
+    device memory left): the save is then answered once its files are written, as a named one."""
+    try:
+        return Handover(request_id, tensors, config)
+    except (OSError, SafetensorError, torch.OutOfMemoryError) as exc:
+        log.warning("%s: no handover (%s); answered once its files are written", request_id, exc)
+        return None
 
 
 def write(save: PendingSave) -> PublishCommand:

@@ -13,11 +13,16 @@ import pytest
 import torch
 
 from libs.checkpoints import layout
+from libs.checkpoints.tensor_file import TensorFile
 from libs.contracts.common import LoraConfig
 from libs.contracts.publish import PublishCommand
+from libs.contracts.work import ExportSlot
 from libs.faults import fired, hits, release
+from services.trainer import handover as handover_module
+from services.trainer.engine import TrainerEngine
 from services.trainer.handover import Handover, Shelf
 from services.trainer.saves import BackgroundSaves
+from services.trainer.state import checkpoints
 from services.trainer.state.checkpoints import PendingSave
 
 POINT = "trainer.checkpoint_write"  # the test names its process the trainer (TINKERD_SERVICE)
@@ -112,3 +117,25 @@ def test_the_shelf_keeps_a_handover_until_its_files_are_durable_then_at_most_lim
     assert not segments[2].exists(), "a handover past keep_s after its files were durable was kept"
     shelf.durable("r1")  # a second report changes nothing
     assert segments[1].exists()
+
+
+def test_an_ephemeral_export_is_handed_over_or_without_room_for_it_written_as_files_alone(
+    engine: TrainerEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room, an ephemeral export's handover holds the export's tensors (its files are built
+    from it later); with no room for the handover (its segment directory is gone), the export is
+    prepared as files alone, with the same tensors, and the save is not failed."""
+    engine.init_slot(0, LoraConfig(rank=4, seed=3))
+    op = ExportSlot(model_id="m", request_id="m:save", slot=0, sampling_session_id="s:sample:0", tenant="t")
+    shared = checkpoints.prepare(engine, "tiny-qwen3", tmp_path, "u1", op, handover=True)
+    assert shared.handover is not None and shared.files == {}
+    handed_over = shared.handover.host_tensors()
+    shared.handover.release()
+
+    monkeypatch.setattr(handover_module, "segment_dir", lambda: tmp_path / "no-such-dir")
+    alone = checkpoints.prepare(engine, "tiny-qwen3", tmp_path, "u2", op, handover=True)
+    assert alone.handover is None
+    weights = alone.files["adapter_model.safetensors"]
+    assert isinstance(weights, TensorFile)
+    assert weights.tensors.keys() == handed_over.keys()
+    assert all(torch.equal(weights.tensors[k], handed_over[k]) for k in handed_over)
