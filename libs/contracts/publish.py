@@ -25,12 +25,13 @@ class AdapterHandover(msgspec.Struct, kw_only=True, frozen=True):
     """An adapter held in the trainer's memory, readable by a sampling engine on the same host.
 
     `tensors` is what SGLang's `/load_lora_adapter_from_tensors` takes as one entry of
-    `serialized_named_tensors`: the PEFT tensors (name -> tensor) pickled with torch's
-    multiprocessing reductions and base64-encoded. Those reductions carry no tensor data: a CUDA
-    tensor travels as a CUDA IPC handle, a CPU tensor as the name of a shared-memory segment, so
-    an engine on another host cannot open it (`host`). The memory lives as long as the trainer
-    process keeps it (services/trainer/handover.py says how long); an engine that cannot open it
-    any more says so, and the export's directory serves instead once it is durable.
+    `serialized_named_tensors`, base64-encoded: on CUDA, the PEFT tensors (name -> tensor)
+    pickled with torch's multiprocessing reductions, which carry a CUDA IPC handle per tensor and
+    no data; on CPU, `{"tinkerd_segment": path}` of a safetensors file in shared memory (read by
+    Tinkerd's own sampler only). Either way an engine on another host cannot open it (`host`).
+    The memory lives as long as the trainer keeps it (services/trainer/handover.py says how
+    long); an engine that cannot open it any more says so, and the export's directory serves
+    instead once it is durable.
     """
 
     config: dict[str, Any]  # adapter_config.json

@@ -3,9 +3,10 @@
 Adapters reach the engines on demand. A sampler export is a directory on disk; nothing is
 pushed to an engine when it is saved. An ephemeral export whose files are not recorded yet has a
 handover instead (the trainer's memory, libs/contracts/publish.py), which the engine loads
-through `/load_lora_adapter_from_tensors`; once the directory is recorded, it serves. The sample path makes sure the engine that serves the
-sample holds the export's adapter (`/load_lora_adapter` when it is missing), so an engine that
-restarted, or a new one, serves every existing export without anyone re-publishing it:
+through `/load_lora_adapter_from_tensors`; once the directory is recorded, it serves. The sample
+path makes sure the engine that serves the sample holds the export's adapter
+(`/load_lora_adapter` when it is missing), so an engine that restarted, or a new one, serves
+every existing export without anyone re-publishing it:
 
 - `Residency` tracks the adapters one engine holds on this replica's behalf, least recently used
   first. It loads a missing adapter once however many samples ask for it at the same time, and
