@@ -14,7 +14,8 @@ One process runs these sections in order, each isolated (an error is recorded, t
     stack    nats-server + every service (tests.harness.Stack: the supervisor `tinkerd up` uses),
              trainer and sampler on CUDA, driven by the official tinker SDK: forward_backward
              tokens/s for the same workloads, per-call overhead, save_weights_for_sampler -> first
-             sample, save_state, SDK sampling throughput, sampler-vs-trainer logprobs
+             sample, the ephemeral save (handed over from memory) -> first sample and its parity
+             with a named save, save_state, SDK sampling throughput, sampler-vs-trainer logprobs
     rl       tinker-cookbook's rl.train (arithmetic environment) for several tenants at once
 
 Outputs under ``--out``: results.json (every number), summary.md (tables), log via tee.
