@@ -18,7 +18,7 @@ from tinker import types
 from libs.checkpoints import layout
 from libs.faults import fired, release
 from tests.faults.checks import exactly_once
-from tests.faults.test_saves import HOLD, WAIT_S, held_stack, train, wait_for
+from tests.faults.holds import HOLD, WAIT_S, held_stack, train, wait_for
 from tests.harness import Stack
 
 PROMPT = types.ModelInput.from_ints([11, 17, 300, 45, 987, 12])
