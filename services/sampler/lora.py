@@ -373,13 +373,18 @@ class _Entry:
 class AdapterRegistry:
     """Adapter names → directories, with an LRU-bounded set of resident adapters.
 
-    Thread-safe; loads happen under the lock (they are rare and short).
+    Thread-safe. A registration loads outside the lock, so tenants' adapters load side by side
+    (an 8B adapter takes a good part of a second from its files): one never waits for another's.
+    Registrations of the same name meanwhile wait for the first and then answer that it is loaded
+    (or, if the first failed, load it themselves). A reload after an eviction happens under the
+    lock (rare).
     """
 
     def __init__(self, loader: Callable[[str, str], LoadedAdapter], capacity: int) -> None:
         self._loader = loader
         self._capacity = capacity
         self._lock = threading.Lock()
+        self._loading: dict[str, threading.Event] = {}  # name -> set once its registration ends
         self._entries: dict[str, _Entry] = {}
         self._resident: OrderedDict[str, LoadedAdapter] = OrderedDict()  # LRU first
         self.loads = 0
@@ -399,15 +404,27 @@ class AdapterRegistry:
     ) -> None:
         """Serve what ``load`` returns under ``name`` (``path``: where it came from, or
         ``TENSOR_SOURCE``); raises as ``register``."""
-        with self._lock:
-            if name in self._entries:
-                raise AdapterError(
-                    f"the LoRA adapter with name {name!r} is already loaded; names are immutable, "
-                    "unload it first or use a new name"
-                )
-            adapter = load()
-            self._admit(adapter)
-            self._entries[name] = _Entry(path=path, pinned=pinned)
+        while True:
+            with self._lock:
+                if name in self._entries:
+                    raise AdapterError(
+                        f"the LoRA adapter with name {name!r} is already loaded; names are immutable, "
+                        "unload it first or use a new name"
+                    )
+                pending = self._loading.get(name)
+                if pending is None:
+                    done = self._loading[name] = threading.Event()
+                    break
+            pending.wait()  # the same name is being loaded: its outcome decides
+        try:
+            adapter = load()  # outside the lock: other adapters load meanwhile
+            with self._lock:
+                self._admit(adapter)
+                self._entries[name] = _Entry(path=path, pinned=pinned)
+        finally:
+            with self._lock:
+                del self._loading[name]
+            done.set()
 
     def unregister(self, name: str) -> None:
         """Stop serving ``name``; rows already decoding with it finish normally."""
