@@ -20,6 +20,11 @@ import msgspec
 
 from libs.contracts.common import Envelope, LoraConfig
 
+HANDOVER_SEGMENT_PREFIX = "tinkerd-handover-"
+"""The file name of every CPU handover segment starts so (then `<pid>-<id>.safetensors`)."""
+HANDOVER_SEGMENT_KEY = "tinkerd_segment"
+"""The key naming a CPU handover's segment in `AdapterHandover.tensors` (`{key: path}`)."""
+
 
 class AdapterHandover(msgspec.Struct, kw_only=True, frozen=True):
     """An adapter held in the trainer's memory, readable by a sampling engine on the same host.

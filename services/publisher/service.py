@@ -70,8 +70,13 @@ def _encrypted(staging: Path, recipients: list[str]) -> Path:
     return age.encrypt_dir(staging, target, recipients)
 
 
-def _remove_staged(staging: Path) -> None:
-    """The staged files of a publication that is over, and their encrypted copies if any."""
+def _remove_staged(p: PublishCommand) -> None:
+    """The staged files of a publication that is over, and their encrypted copies if any. A
+    handover command has none of its own: its staging directory is its files' command's, which
+    may be being written now."""
+    if p.handover is not None:
+        return
+    staging = Path(p.staging_dir)
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(_encrypted_dir(staging), ignore_errors=True)
 
@@ -113,14 +118,12 @@ class PublisherService:
             )
             if answered and not files_after_handover:
                 # Answered already: a redelivery, or a trainer that redid the save after a crash.
-                # Redoing it could switch a name back to an older version: only ack it. (A
-                # handover's staging directory is its files' command's, maybe being written now.)
-                if publish.handover is None:
-                    _remove_staged(Path(publish.staging_dir))
+                # Redoing it could switch a name back to an older version: only ack it.
+                _remove_staged(publish)
                 await msg.ack()
                 continue
             if publish.error is not None:  # the trainer could not write the files: nothing to publish
-                _remove_staged(Path(publish.staging_dir))
+                _remove_staged(publish)
                 await self._answer(publish, Failure(error=publish.error, category="server"))
                 await msg.ack()
                 continue
@@ -139,8 +142,7 @@ class PublisherService:
                 )
             except OSError as exc:  # a full disk: the writer removed its temporary directory
                 log.exception("publishing %s failed", publish.request_id)
-                if publish.handover is None:
-                    _remove_staged(Path(publish.staging_dir))  # this publication is over
+                _remove_staged(publish)  # this publication is over
                 kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
                 body = Failure(
                     error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
@@ -223,8 +225,7 @@ class PublisherService:
             if directory is not None:
                 await self._event(p, engine_name, Path(directory))
             body = SaveWeightsForSamplerResponse(sampling_session_id=p.sampling_session_id)
-        if p.handover is None:  # a handover's staging directory belongs to its files' command
-            _remove_staged(staging)
+        _remove_staged(p)
         return body
 
     async def _event(self, p: PublishCommand, engine_name: str, directory: Path) -> None:

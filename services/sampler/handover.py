@@ -30,8 +30,8 @@ import torch
 import torch.multiprocessing  # registers the reductions the payload names
 from safetensors.torch import load_file
 
-SEGMENT_PREFIX = "tinkerd-handover-"
-SEGMENT_KEY = "tinkerd_segment"
+from libs.contracts.publish import HANDOVER_SEGMENT_KEY, HANDOVER_SEGMENT_PREFIX
+
 _REBUILDERS = {"rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_filename"}
 _STORAGES = {"UntypedStorage", "TypedStorage"}
 
@@ -84,11 +84,11 @@ def decode(payload: str) -> dict[str, torch.Tensor]:
 def _segment(data: bytes) -> dict[str, torch.Tensor]:
     """The tensors of a CPU trainer's shared-memory segment (see the module docstring)."""
     try:
-        path = Path(msgspec.json.decode(data, type=dict[str, str])[SEGMENT_KEY])
+        path = Path(msgspec.json.decode(data, type=dict[str, str])[HANDOVER_SEGMENT_KEY])
     except (msgspec.DecodeError, KeyError) as exc:
         raise HandoverError(f"serialized_named_tensors holds neither pickled tensors nor a segment: {exc}") from exc
-    if not (path.name.startswith(SEGMENT_PREFIX) and path.suffix == ".safetensors"):
-        raise HandoverError(f"{path} is not a handover segment ({SEGMENT_PREFIX}*.safetensors)")
+    if not (path.name.startswith(HANDOVER_SEGMENT_PREFIX) and path.suffix == ".safetensors"):
+        raise HandoverError(f"{path} is not a handover segment ({HANDOVER_SEGMENT_PREFIX}*.safetensors)")
     try:
         return load_file(str(path))
     except Exception as exc:  # gone (released, or another host), or not safetensors

@@ -13,7 +13,7 @@ samples, which copies the tensors into its own adapter pool.
   (services/sampler/handover.py, with an unpickler that accepts torch's rebuild functions only)
   read the same description.
 - On CPU: one safetensors segment in shared memory (``/dev/shm``, never fsynced), named by
-  ``SEGMENT_PREFIX``, described as ``{"tinkerd_segment": path}``; only Tinkerd's sampler reads
+  ``HANDOVER_SEGMENT_PREFIX``, described as ``{"tinkerd_segment": path}``; only Tinkerd's sampler reads
   it (SGLang has no CPU engine). Written by hand rather than through torch's CPU sharing, whose
   segments outlive every process once a reader has opened them.
 
@@ -46,11 +46,9 @@ import torch.multiprocessing
 from safetensors.torch import load_file, save_file
 
 from infra.net import host_id
-from libs.contracts.publish import AdapterHandover
+from libs.contracts.publish import HANDOVER_SEGMENT_KEY, HANDOVER_SEGMENT_PREFIX, AdapterHandover
 
 log = logging.getLogger("tinkerd.trainer")
-SEGMENT_PREFIX = "tinkerd-handover-"
-SEGMENT_KEY = "tinkerd_segment"
 
 
 def segment_dir() -> Path:
@@ -63,8 +61,8 @@ def remove_orphan_segments() -> int:
     """Remove the segments of trainer processes that are gone (killed before they released them);
     a segment's name carries its process id."""
     removed = 0
-    for path in segment_dir().glob(f"{SEGMENT_PREFIX}*"):
-        pid = path.name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
+    for path in segment_dir().glob(f"{HANDOVER_SEGMENT_PREFIX}*"):
+        pid = path.name.removeprefix(HANDOVER_SEGMENT_PREFIX).split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -72,9 +70,9 @@ def remove_orphan_segments() -> int:
     return removed
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One device buffer holding a copy of every tensor, and each tensor as a view of it (one
-    allocation, so one IPC handle serves the whole adapter)."""
+def pack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of every tensor, each a view of one device buffer (one allocation, so one IPC
+    handle serves the whole adapter; the views keep the buffer alive)."""
     dtypes = {t.dtype for t in tensors.values()}
     devices = {t.device for t in tensors.values()}
     if len(dtypes) != 1 or len(devices) != 1:
@@ -89,7 +87,7 @@ def pack(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torc
             view.copy_(tensor)
             views[name] = view
             offset += tensor.numel()
-    return buffer, views
+    return views
 
 
 class Handover:
@@ -101,14 +99,13 @@ class Handover:
         self.views: dict[str, torch.Tensor] = {}
         device = next(iter(tensors.values())).device.type if tensors else "cpu"
         if device == "cuda":
-            _, self.views = pack(tensors)
+            self.views = pack(tensors)
             payload = bytes(ForkingPickler.dumps(self.views))
         else:
-            self.segment = segment_dir() / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.safetensors"
-            self.views = {name: t.detach().contiguous() for name, t in tensors.items()}
-            save_file(self.views, str(self.segment))  # the host copy: these tensors may be the slot's
-            self.views = {}  # the files are built from the segment
-            payload = json.dumps({SEGMENT_KEY: str(self.segment)}).encode()
+            self.segment = segment_dir() / f"{HANDOVER_SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+            # the host copy (these tensors may be the slot's own); the files are built from it
+            save_file({name: t.detach().contiguous() for name, t in tensors.items()}, str(self.segment))
+            payload = json.dumps({HANDOVER_SEGMENT_KEY: str(self.segment)}).encode()
         self.ref = AdapterHandover(
             config=config,
             tensors=base64.b64encode(payload).decode(),

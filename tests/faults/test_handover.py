@@ -10,6 +10,8 @@ the run, not a race. The reference each time is independent of the handover: a n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import tinker
@@ -49,7 +51,18 @@ def reference(client: tinker.ServiceClient, trainer: tinker.TrainingClient) -> t
     return greedy(client.create_sampling_client(model_path=path))
 
 
-def test_an_ephemeral_sampler_samples_the_trainers_copy_before_its_files_exist(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def trained_and_handed_over(
+    client: tinker.ServiceClient, tenant: int, seed: int, faults: Path
+) -> tuple[tinker.TrainingClient, tinker.SamplingClient]:
+    """A model trained one step and its ephemeral sampler, once the export's file write is held."""
+    trainer = client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=seed).result()
+    train(trainer, tenant, 0)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    wait_for(lambda: fired(HOLD, faults), "the hold of the export's file write")
+    return trainer, sampler
+
+
+def test_an_ephemeral_sampler_samples_the_trainers_copy_before_its_files_exist(tmp_path: Path) -> None:
     """The export's file write is held: the save is answered anyway, its sample runs on the
     adapter the engine loaded from the trainer's memory, and no export directory exists yet.
     Released, the files are published; the sample equals the same state's named save, token for
@@ -57,10 +70,7 @@ def test_an_ephemeral_sampler_samples_the_trainers_copy_before_its_files_exist(t
     stack = held_stack(tmp_path)
     try:
         with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-handover-a") as client:
-            a = client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7).result()
-            train(a, 0, 0)
-            sampler = a.save_weights_and_get_sampling_client().result()
-            wait_for(lambda: fired(HOLD, tmp_path / "faults"), "the hold of the export's file write")
+            a, sampler = trained_and_handed_over(client, 0, 7, tmp_path / "faults")
             handed_over = greedy(sampler)
             assert len(tensor_loaded(stack)) == 1, "the engine did not load the adapter from memory"
             assert exported_dirs(stack) == [], "the export's files exist although their write is held"
@@ -73,7 +83,7 @@ def test_an_ephemeral_sampler_samples_the_trainers_copy_before_its_files_exist(t
         stack.stop()
 
 
-def test_a_trainer_killed_after_handing_over_writes_the_files_when_it_restarts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_trainer_killed_after_handing_over_writes_the_files_when_it_restarts(tmp_path: Path) -> None:
     """The trainer is killed -9 after the handover answered the save, with the export's file
     write held. The restarted trainer redoes the export's files from the replayed state; the
     sampler samples exactly what a named save of that state samples, and no result or outcome
@@ -81,10 +91,7 @@ def test_a_trainer_killed_after_handing_over_writes_the_files_when_it_restarts(t
     stack = held_stack(tmp_path)
     try:
         with tinker.ServiceClient(base_url=stack.base_url, api_key="tml-handover-b") as client:
-            b = client.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=8).result()
-            train(b, 1, 0)
-            sampler = b.save_weights_and_get_sampling_client().result()
-            wait_for(lambda: fired(HOLD, tmp_path / "faults"), "the hold of the export's file write")
+            b, sampler = trained_and_handed_over(client, 1, 8, tmp_path / "faults")
             assert exported_dirs(stack) == []
             assert stack.kill("trainer").wait(WAIT_S), "the trainer did not come back"
 

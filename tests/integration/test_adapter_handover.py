@@ -103,6 +103,13 @@ def load_tensors(client: TestClient, name: str, ref: AdapterHandover, payload: s
     return client.post("/load_lora_adapter_from_tensors", json=body)
 
 
+def assert_refused_and_not_registered(client: TestClient, response: Any, name: str, reason: str) -> None:
+    """A 400 whose message says `reason`, and nothing serves under `name`."""
+    assert response.status_code == 400
+    assert reason in response.json()["error_message"]
+    assert name not in client.get("/server_info").json()["loaded_lora_adapters"]
+
+
 def greedy(client: TestClient, adapter: str | None) -> dict[str, Any]:
     body = {
         "input_ids": PROMPT,
@@ -156,9 +163,7 @@ def test_memory_the_sender_let_go_of_is_refused_and_nothing_is_registered(
         response = load_tensors(client, "released", producer.ref)
     finally:
         producer.close()
-    assert response.status_code == 400
-    assert "cannot be opened here" in response.json()["error_message"]
-    assert "released" not in client.get("/server_info").json()["loaded_lora_adapters"]
+    assert_refused_and_not_registered(client, response, "released", "cannot be opened here")
 
 
 class _Evil:
@@ -172,12 +177,10 @@ def test_a_payload_naming_anything_but_tensor_reductions_is_refused_before_it_ru
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     payload = base64.b64encode(pickle.dumps({"x": _Evil()})).decode()
     ref = AdapterHandover(config=config, tensors=payload, host="", device="cpu", nbytes=0)
-    response = load_tensors(client, "evil", ref)
-    assert response.status_code == 400
-    assert "may only use torch's tensor reductions, not posix.getcwd" in response.json()["error_message"]
+    refused = "may only use torch's tensor reductions, not posix.getcwd"
+    assert_refused_and_not_registered(client, load_tensors(client, "evil", ref), "evil", refused)
     not_base64 = load_tensors(client, "evil", ref, payload="not base64!")
-    assert not_base64.status_code == 400 and "base64" in not_base64.json()["error_message"]
-    assert "evil" not in client.get("/server_info").json()["loaded_lora_adapters"]
+    assert_refused_and_not_registered(client, not_base64, "evil", "base64")
 
 
 def test_a_non_finite_adapter_handed_over_is_refused(
@@ -196,6 +199,4 @@ def test_a_non_finite_adapter_handed_over_is_refused(
         response = load_tensors(client, "nan", producer.ref)
     finally:
         producer.close()
-    assert response.status_code == 400
-    assert "non-finite" in response.json()["error_message"]
-    assert "nan" not in client.get("/server_info").json()["loaded_lora_adapters"]
+    assert_refused_and_not_registered(client, response, "nan", "non-finite")
