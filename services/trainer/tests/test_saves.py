@@ -95,7 +95,7 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
     assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"
 
 
-def test_the_shelf_keeps_a_handover_until_its_files_are_durable_then_at_most_limit_of_them(tmp_path: Path) -> None:
+def test_the_shelf_keeps_handovers_until_durable_then_the_newest_limit_of_them_until_keep_s(tmp_path: Path) -> None:
     """Handovers whose files are not durable are all kept; of the durable ones, the newest
     `limit` stay readable (until `keep_s` passes) and older ones are released: their segments go."""
     shelf = Shelf(keep_s=3600.0, limit=1)
