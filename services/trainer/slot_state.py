@@ -115,11 +115,10 @@ class PinnedPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 buffer of at least ``nbytes`` (the smallest free one that fits)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            # by index: list.remove would compare tensors elementwise
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buffer = min(fits, key=lambda b: b.numel())
-                self._free.remove(buffer)
-                return buffer
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def give(self, buffer: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ import torch
 from libs.contracts.common import LoraConfig
 from services.trainer.slot_state import PinnedPool, SlotState, to_pinned
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def device_state(seed: int) -> SlotState:
@@ -23,6 +23,7 @@ def device_state(seed: int) -> SlotState:
     return SlotState(LoraConfig(rank=8), 3, adapter, exp_avg, exp_avg_sq)
 
 
+@needs_cuda
 def test_cuda_pinned_copy_equals_the_slot_state_bit_for_bit_and_its_buffer_serves_the_next_save() -> None:
     pool = PinnedPool(keep=1)
     state = device_state(1)
@@ -45,3 +46,12 @@ def test_cuda_pinned_copy_equals_the_slot_state_bit_for_bit_and_its_buffer_serve
     assert again.data_ptr() == buffer.data_ptr(), "the kept buffer was not reused"
     for name, tensor in second.exp_avg_sq.items():
         assert torch.equal(tensor, later.exp_avg_sq[name].cpu()), name
+
+
+def test_pool_hands_out_the_smallest_kept_buffer_that_fits_among_buffers_of_different_sizes() -> None:
+    pool = PinnedPool(keep=2)
+    small, large = torch.empty(100, dtype=torch.uint8), torch.empty(300, dtype=torch.uint8)
+    pool.give(large)
+    pool.give(small)
+    assert pool.take(50) is small
+    assert pool.take(200) is large
