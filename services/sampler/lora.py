@@ -247,8 +247,6 @@ def adapter_from_tensors(
         home = engine_device if on_device else torch.device("cpu")
         a = ab["A"].to(home, torch.float32, copy=True)
         b = ab["B"].to(home, torch.float32, copy=True)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"adapter {path!r}: {module} has non-finite values (NaN or inf)")
         in_features, out_features = bases[module].in_features, bases[module].out_features
         rank = a.shape[0]
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
@@ -267,6 +265,12 @@ def adapter_from_tensors(
         scaling = mod_alpha / math.sqrt(rank) if cfg.get("use_rslora") else mod_alpha / rank
         modules[module] = LoRAWeights(a=a, b=b, scaling=scaling)
         max_seen = max(max_seen, rank)
+    # every module's finiteness in one read back to the host (a read per module stalls a device
+    # load hundreds of times)
+    finite = torch.stack([torch.isfinite(w.a).all() & torch.isfinite(w.b).all() for w in modules.values()])
+    for module, ok in zip(modules, finite.tolist(), strict=True):
+        if not ok:
+            raise AdapterError(f"adapter {path!r}: {module} has non-finite values (NaN or inf)")
     return LoadedAdapter(name=name, path=str(path), rank=max_seen, modules=modules)
 
 
