@@ -28,6 +28,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -191,8 +192,7 @@ def write_dir_atomically(
             for src in sorted(copy_from.iterdir()):
                 if src.is_file():
                     _copy_file(src, tmp / src.name)
-        for name, data in (files or {}).items():
-            _write_file(tmp / name, data)
+        _write_files(tmp, files or {})
         for name, src in (links or {}).items():
             _link_or_copy(src, tmp / name)
         for src in sorted(link_from.iterdir()) if link_from is not None else []:
@@ -200,9 +200,10 @@ def write_dir_atomically(
                 service_point("checkpoint_write")  # fault tests: kill -9 or ENOSPC mid-way through the files
                 _link_or_copy(src, tmp / src.name)
         for child in tmp.iterdir():
-            child.chmod(0o644)  # sampling engines may run as another user
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
+            if files is None or child.name not in files:  # the written ones are synced already
+                child.chmod(0o644)
+                with open(child, "rb") as handle:
+                    os.fsync(handle.fileno())
         fsync_dir(tmp)
         crash_point("write.before_rename")
         try:
@@ -244,10 +245,25 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         _copy_file(src, dst)
 
 
+def _write_files(directory: Path, files: Mapping[str, FileData]) -> None:
+    """Write and fsync every file of ``files`` into ``directory``, each on its own thread: a
+    disk writes and flushes several files faster than one after another (a training state's
+    adapter and optimizer files). The first error is raised once every write has ended."""
+    if len(files) <= 1:
+        for name, data in files.items():
+            _write_file(directory / name, data, sync=True)
+        return
+    with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="file-write") as pool:
+        writes = [pool.submit(_write_file, directory / name, data, True) for name, data in files.items()]
+    for write in writes:
+        write.result()
+
+
 def _write_file(path: Path, data: FileData, sync: bool = False) -> None:
-    """Write `data` (fsynced with ``sync``); the fault point sits mid-file, where a full disk or
-    a crash would strike."""
+    """Write `data` (fsynced with ``sync``, readable by every user: sampling engines may run as
+    another one); the fault point sits mid-file, where a full disk or a crash would strike."""
     with open(path, "wb") as handle:
+        os.fchmod(handle.fileno(), 0o644)
         if not isinstance(data, bytes):
             data.write_to(handle, lambda: service_point("checkpoint_write"))
         else:

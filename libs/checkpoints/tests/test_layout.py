@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
@@ -73,3 +76,26 @@ def test_link_from_places_the_staged_files_without_a_second_copy(tmp_path: Path)
     shutil.rmtree(staging)
     assert sorted(p.name for p in target.iterdir()) == ["adapter.safetensors", "c.json"]
     assert (target / "adapter.safetensors").read_bytes() == b"w" * 4096
+
+
+class _FullDisk:
+    """A file whose write fails half way, as on a full disk."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def write_to(self, handle: BinaryIO, midway: Callable[[], None] = lambda: None) -> None:
+        handle.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_files_written_side_by_side_are_all_readable_and_one_failing_write_leaves_nothing(tmp_path: Path) -> None:
+    files = {f"f{i}": bytes([i]) * (1000 + i) for i in range(4)}
+    target = layout.write_dir_atomically(tmp_path / "ok", files)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == files
+    assert all((target / name).stat().st_mode & 0o777 == 0o644 for name in files)
+
+    with pytest.raises(OSError) as failed:
+        layout.write_dir_atomically(tmp_path / "full", {**files, "g": _FullDisk()})
+    assert failed.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]  # no version, no temporary left
