@@ -2,7 +2,7 @@
 target and the lm_head: 369 MB of fp32 PEFT tensors), on one CUDA device.
 
 The trainer's side runs in this process: ``Handover`` (one device buffer, the tensors copied into
-its views, pickled with torch's multiprocessing reductions), timed as its two parts. The engine's
+its views, pickled with torch's multiprocessing reductions), timed whole. The engine's
 side runs in a second process, as the sampler is one: it unpickles the payload
 (``services.sampler.handover.decode``: CUDA IPC opens), validates and copies the tensors
 (``lora.adapter_from_tensors``) and loads them into a slot of an 8-slot bf16 ``LoRAPool``; beside
@@ -10,26 +10,25 @@ them, what a finiteness check read back module by module would cost. Each
 part is timed with the device synchronized at its end; ``--tries`` fresh handovers.
 
     python -m bench.gpu_handover --out DIR           # on a CUDA machine
+    python -m bench.gpu_handover --out DIR --tiny    # CPU smoke run (a 2-layer shape, a /dev/shm segment)
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from bench.common import QWEN3_8B, Shape
+from bench.common import QWEN3_8B, TINY, Shape
 
 RANK = 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -62,12 +61,17 @@ def peft_tensors(shape: Shape, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``fn(*args)`` and its milliseconds, the device idle at both ends."""
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     value = fn(*args)
-    torch.cuda.synchronize()
+    sync()
     return value, (time.perf_counter() - started) * 1e3
 
 
@@ -77,23 +81,19 @@ def check_each_module(adapter: Any) -> bool:
     )
 
 
-def pickled(views: dict[str, torch.Tensor]) -> str:
-    return base64.b64encode(bytes(ForkingPickler.dumps(views))).decode()
-
-
-def engine_side(tries: int) -> None:
+def engine_side(shape: Shape, device: str, tries: int) -> None:
     """Read one handover per stdin line, print one JSON line of timings per handover."""
     from services.sampler import handover
     from services.sampler.lora import LoRAPool, adapter_from_tensors
 
-    dims = module_dims(QWEN3_8B)
+    dims = module_dims(shape)
     bases: dict[str, nn.Linear] = {}
     for module, (fan_in, fan_out) in dims.items():
         linear = nn.Linear(fan_in, fan_out, bias=False, device="meta")
-        linear.weight = nn.Parameter(torch.empty(1, device="cuda"), requires_grad=False)  # its device
+        linear.weight = nn.Parameter(torch.empty(1, device=device), requires_grad=False)  # its device
         bases[module] = linear
     groups: dict[str, tuple[str, ...]] = {name: (name,) for name in dims}
-    pool = LoRAPool(groups, bases, slots=8, rank=RANK, device=torch.device("cuda"), dtype=torch.bfloat16)
+    pool = LoRAPool(groups, bases, slots=8, rank=RANK, device=torch.device(device), dtype=torch.bfloat16)
     config = {"peft_type": "LORA", "r": RANK, "lora_alpha": 32, "target_modules": list(TARGETS)}
     print(json.dumps({"ready": True}), flush=True)
     for i in range(tries):
@@ -110,13 +110,15 @@ def engine_side(tries: int) -> None:
         print(json.dumps({**times, "per_module_check_ms": per_module_check_ms}), flush=True)
 
 
-def trainer_side(out: Path, tries: int) -> None:
-    from services.trainer import handover as trainer_handover
+def trainer_side(out: Path, tiny: bool, tries: int) -> None:
+    from services.trainer.handover import Handover
 
-    tensors = peft_tensors(QWEN3_8B, "cuda")
+    shape, device = (TINY, "cpu") if tiny else (QWEN3_8B, "cuda")
+    tensors = peft_tensors(shape, device)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     engine = subprocess.Popen(
-        [sys.executable, "-m", "bench.gpu_handover", "--engine-side", "--tries", str(tries)],
+        [sys.executable, "-m", "bench.gpu_handover", "--engine-side", "--tries", str(tries)]
+        + (["--tiny"] if tiny else []),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -124,22 +126,24 @@ def trainer_side(out: Path, tries: int) -> None:
     assert engine.stdin is not None and engine.stdout is not None
     assert json.loads(engine.stdout.readline())["ready"]
     rows: list[dict[str, float]] = []
-    kept = []
-    for _ in range(tries):
-        views, pack_ms = timed(trainer_handover.pack, tensors)
-        payload, pickle_ms = timed(pickled, views)
-        kept.append(views)  # the sender keeps its memory while the engine reads it
+    kept: list[Handover] = []  # the sender keeps its memory while the engine reads it
+    for i in range(tries):
+        handover, handover_ms = timed(Handover, f"request-{i}", tensors, {})
+        kept.append(handover)
+        payload = handover.ref.tensors
         engine.stdin.write(payload + "\n")
         engine.stdin.flush()
-        row = {"pack_ms": pack_ms, "pickle_ms": pickle_ms, "payload_kb": len(payload) / 1e3}
+        row = {"handover_ms": handover_ms, "payload_kb": len(payload) / 1e3}
         row.update(json.loads(engine.stdout.readline()))
         rows.append(row)
         print(json.dumps(row), flush=True)
     engine.stdin.close()
     engine.wait(timeout=60)
+    for handover in kept:
+        handover.release()
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "adapter_mb": nbytes / 1e6,
         "tensors": len(tensors),
         "tries": rows,
@@ -154,12 +158,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--tries", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer shape on the CPU (smoke run)")
     parser.add_argument("--engine-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_side:
-        engine_side(args.tries)
+        engine_side(TINY if args.tiny else QWEN3_8B, "cpu" if args.tiny else "cuda", args.tries)
     else:
-        trainer_side(args.out, args.tries)
+        trainer_side(args.out, args.tiny, args.tries)
 
 
 if __name__ == "__main__":
