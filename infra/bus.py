@@ -136,12 +136,17 @@ class Bus:
                 await self.nc.close()
 
 
+IDLE_FETCH_S = 0.25
+"""How long a fetch waits for messages on an idle stream: also the longest `stop` waits for it (a
+fetch is never cancelled, which could strand a delivered message until its ack wait)."""
+
+
 async def fetch_loop(
     sub: JetStreamContext.PullSubscription,
     handle: Callable[[list[Msg]], Awaitable[Any]],
     stop: asyncio.Event,
     batch: int = 64,
-    wait_s: float = 1.0,
+    wait_s: float = IDLE_FETCH_S,
 ) -> None:
     """Fetch batches and hand them to `handle` until `stop` is set.
 

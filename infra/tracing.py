@@ -85,6 +85,13 @@ def setup_tracing(service: str, exporter: str | None = None) -> None:
     trace.set_tracer_provider(provider)
 
 
+def shutdown_tracing() -> None:
+    """Export what the span processors still hold (the OTLP exporter batches) and stop them."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
+
+
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 

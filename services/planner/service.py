@@ -187,8 +187,8 @@ class PlannerService:
         log.info("planner ready")
         tasks: list[asyncio.Future[Any]] = [
             self.hold.start(),
-            asyncio.create_task(fetch_loop(requests, partial(self._on_batch, stream="requests"), stop, wait_s=0.5)),
-            asyncio.create_task(fetch_loop(outcomes, partial(self._on_batch, stream="outcomes"), stop, wait_s=0.5)),
+            asyncio.create_task(fetch_loop(requests, partial(self._on_batch, stream="requests"), stop)),
+            asyncio.create_task(fetch_loop(outcomes, partial(self._on_batch, stream="outcomes"), stop)),
             asyncio.create_task(self._seal_gaps(stop)),
             asyncio.create_task(self._learn_groups(stop)),
         ]

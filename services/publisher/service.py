@@ -102,7 +102,7 @@ class PublisherService:
         log.info("publisher ready (data dir %s)", self.data_dir)
         reaper = asyncio.create_task(self._reap(stop))
         try:
-            await fetch_loop(sub, self._on_messages, stop, batch=8, wait_s=1.0)
+            await fetch_loop(sub, self._on_messages, stop, batch=8)
         finally:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

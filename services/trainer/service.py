@@ -112,7 +112,7 @@ class TrainerService:
             ServiceEvent(service="trainer", what="ready", detail=self.trainer_id, at_ns=now_ns())
         )
         try:
-            await fetch_loop(sub, self._on_units, stop, batch=1, wait_s=1.0)
+            await fetch_loop(sub, self._on_units, stop, batch=1)
         finally:
             await self.saves.drain()  # every save copied is written and handed off
             self.saves.close()
