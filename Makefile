@@ -28,9 +28,10 @@ browser:
 			|| echo "note: apt-get could not install chromium; the console's browser tests will skip"; \
 	else echo "note: chromium/chromedriver missing (install them as root); the console's browser tests will skip"; fi
 
-# uv installs the dependencies (about ten times faster than pip here); torch alone goes through
-# pip, pinned, which takes this machine's local CPU wheel (uv does not look there, and an unpinned
-# torch would be a multi-gigabyte CUDA download).
+# uv installs the dependencies (about ten times faster than pip here), compiled to bytecode as pip
+# does (else the first processes of a test run would each compile torch's and transformers'
+# modules); torch alone goes through pip, pinned, which takes this machine's local CPU wheel (uv
+# does not look there, and an unpinned torch would be a multi-gigabyte CUDA download).
 UV := $(VENV)/bin/uv
 UV_VERSION ?= 0.13.9
 
@@ -40,8 +41,8 @@ $(UV):
 
 $(VENV)/.installed: pyproject.toml | $(UV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(UV) pip install -q --python $(PY) -e '.[dev,cookbook]'
-	$(UV) pip install -q --python $(PY) --no-deps tinker-cookbook==0.6.1
+	$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[dev,cookbook]'
+	$(UV) pip install -q --compile-bytecode --python $(PY) --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 # The JSON-era SDK, in its own environment, for the backward-compatibility contract run.
@@ -49,7 +50,7 @@ sdk024: $(SDK024_VENV)/.installed
 
 $(SDK024_VENV)/.installed: | $(UV)
 	$(PYTHON) -m venv $(SDK024_VENV)
-	$(UV) pip install -q --python $(SDK024_VENV)/bin/python tinker==0.24.1 numpy
+	$(UV) pip install -q --compile-bytecode --python $(SDK024_VENV)/bin/python tinker==0.24.1 numpy
 	touch $@
 
 # The gateway's protobuf classes, generated from services/gateway/wire/tinker_public.proto and checked in.
