@@ -92,12 +92,28 @@ def linear_dims(shape: Shape) -> list[tuple[int, int]]:
     return layer * shape.layers + [(h, shape.vocab)]  # + lm_head
 
 
-def lora_dims(shape: Shape) -> list[tuple[int, int]]:
-    """(in, out) of every adapted HF projection: q, k, v, o, gate, up, down per layer, lm_head."""
+def lora_modules(shape: Shape) -> dict[str, tuple[int, int]]:
+    """Every adapted HF projection, by module name: (in, out). Per layer q, k, v, o, gate, up,
+    down, then the lm_head (the order PEFT adapters are built in by the GPU benches)."""
     h, d = shape.hidden, shape.head_dim
     q, kv = shape.heads * d, shape.groups * d
-    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, shape.ffn), (h, shape.ffn), (shape.ffn, h)]
-    return layer * shape.layers + [(h, shape.vocab)]
+    layer = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_proj": (h, shape.ffn),
+        "mlp.up_proj": (h, shape.ffn),
+        "mlp.down_proj": (shape.ffn, h),
+    }
+    modules = {f"model.layers.{i}.{name}": dims for i in range(shape.layers) for name, dims in layer.items()}
+    modules["lm_head"] = (h, shape.vocab)
+    return modules
+
+
+def lora_dims(shape: Shape) -> list[tuple[int, int]]:
+    """(in, out) of every adapted HF projection: q, k, v, o, gate, up, down per layer, lm_head."""
+    return list(lora_modules(shape).values())
 
 
 def base_matmul_params(shape: Shape) -> int:

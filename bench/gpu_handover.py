@@ -28,33 +28,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.common import QWEN3_8B, TINY, Shape
+from bench.common import QWEN3_8B, TINY, Shape, lora_modules
 
 RANK = 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def module_dims(shape: Shape) -> dict[str, tuple[int, int]]:
-    """Every LoRA target of the HF model: module name -> (in, out)."""
-    q, kv = shape.heads * shape.head_dim, shape.groups * shape.head_dim
-    per_layer = {
-        "self_attn.q_proj": (shape.hidden, q),
-        "self_attn.k_proj": (shape.hidden, kv),
-        "self_attn.v_proj": (shape.hidden, kv),
-        "self_attn.o_proj": (q, shape.hidden),
-        "mlp.gate_proj": (shape.hidden, shape.ffn),
-        "mlp.up_proj": (shape.hidden, shape.ffn),
-        "mlp.down_proj": (shape.ffn, shape.hidden),
-    }
-    dims = {f"model.layers.{i}.{m}": d for i in range(shape.layers) for m, d in per_layer.items()}
-    dims["lm_head"] = (shape.hidden, shape.vocab)
-    return dims
-
-
 def peft_tensors(shape: Shape, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     out: dict[str, torch.Tensor] = {}
-    for module, (fan_in, fan_out) in module_dims(shape).items():
+    for module, (fan_in, fan_out) in lora_modules(shape).items():
         key = f"base_model.model.{module}"
         out[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen, device=device) * 0.01
         out[f"{key}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen, device=device) * 0.01
@@ -86,7 +69,7 @@ def engine_side(shape: Shape, device: str, tries: int) -> None:
     from services.sampler import handover
     from services.sampler.lora import LoRAPool, adapter_from_tensors
 
-    dims = module_dims(shape)
+    dims = lora_modules(shape)
     bases: dict[str, nn.Linear] = {}
     for module, (fan_in, fan_out) in dims.items():
         linear = nn.Linear(fan_in, fan_out, bias=False, device="meta")

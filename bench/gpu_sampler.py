@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import H200_PEAK_BF16, QWEN3_8B, Results, Shape, markdown_table  # noqa: E402
+from bench.common import H200_PEAK_BF16, QWEN3_8B, Results, Shape, lora_modules, markdown_table  # noqa: E402
 
 RANK = 32
 BATCHES = [1, 8, 64]
@@ -109,16 +109,6 @@ def adapter_dirs(root: Path, shape: Shape, count: int, device: torch.device) -> 
     """``count`` random rank-32 PEFT adapters on every target module, lm_head included."""
     from safetensors.torch import save_file
 
-    s = shape
-    dims = {
-        "self_attn.q_proj": (s.hidden, s.heads * s.head_dim),
-        "self_attn.k_proj": (s.hidden, s.groups * s.head_dim),
-        "self_attn.v_proj": (s.hidden, s.groups * s.head_dim),
-        "self_attn.o_proj": (s.heads * s.head_dim, s.hidden),
-        "mlp.gate_proj": (s.hidden, s.ffn),
-        "mlp.up_proj": (s.hidden, s.ffn),
-        "mlp.down_proj": (s.ffn, s.hidden),
-    }
     out = []
     for i in range(count):
         path = root / f"a{i}"
@@ -128,8 +118,7 @@ def adapter_dirs(root: Path, shape: Shape, count: int, device: torch.device) -> 
         path.mkdir(parents=True)
         gen = torch.Generator(device=device).manual_seed(100 + i)
         tensors: dict[str, torch.Tensor] = {}
-        modules = [(f"model.layers.{n}.{k}", fi, fo) for n in range(s.layers) for k, (fi, fo) in dims.items()]
-        for module, fan_in, fan_out in [*modules, ("lm_head", s.hidden, s.vocab)]:
+        for module, (fan_in, fan_out) in lora_modules(shape).items():
             a = torch.randn(RANK, fan_in, generator=gen, device=device) / fan_in**0.5
             b = torch.randn(fan_out, RANK, generator=gen, device=device) * 0.01
             tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(torch.bfloat16).cpu()

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import QWEN3_8B, Results, Shape, markdown_table  # noqa: E402
+from bench.common import QWEN3_8B, Results, Shape, lora_modules, markdown_table  # noqa: E402
 
 RANK = 32
 MODEL_NAME = "qwen3-8b-random"
@@ -288,16 +288,6 @@ class Bench:
         from safetensors.torch import save_file
 
         root = self.work / "adapters"
-        s = self.shape
-        dims = {
-            "self_attn.q_proj": (s.hidden, s.heads * s.head_dim),
-            "self_attn.k_proj": (s.hidden, s.groups * s.head_dim),
-            "self_attn.v_proj": (s.hidden, s.groups * s.head_dim),
-            "self_attn.o_proj": (s.heads * s.head_dim, s.hidden),
-            "mlp.gate_proj": (s.hidden, s.ffn),
-            "mlp.up_proj": (s.hidden, s.ffn),
-            "mlp.down_proj": (s.ffn, s.hidden),
-        }
         out = []
         for i in range(count):
             path = root / f"a{i}"
@@ -307,23 +297,11 @@ class Bench:
             path.mkdir(parents=True, exist_ok=True)
             gen = torch.Generator(device=self.device).manual_seed(100 + i)
             tensors: dict[str, torch.Tensor] = {}
-
-            def put(
-                module: str,
-                fan_in: int,
-                fan_out: int,
-                gen: torch.Generator = gen,
-                tensors: dict[str, torch.Tensor] = tensors,
-            ) -> None:
+            for module, (fan_in, fan_out) in lora_modules(self.shape).items():
                 a = torch.randn(RANK, fan_in, generator=gen, device=self.device) / fan_in**0.5
                 b = torch.randn(fan_out, RANK, generator=gen, device=self.device) * 0.01
                 tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(self.dtype).cpu()
                 tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(self.dtype).cpu()
-
-            for layer in range(s.layers):
-                for suffix, (fi, fo) in dims.items():
-                    put(f"model.layers.{layer}.{suffix}", fi, fo)
-            put("lm_head", s.hidden, s.vocab)
             save_file(tensors, str(path / "adapter_model.safetensors"))
             (path / "adapter_config.json").write_text(
                 json.dumps(
