@@ -89,7 +89,7 @@ class _FullDisk:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_files_written_side_by_side_are_all_readable_and_one_failing_write_leaves_nothing(tmp_path: Path) -> None:
+def test_a_version_of_several_files_is_written_whole_and_readable_and_one_failing_write_leaves_nothing(tmp_path: Path) -> None:
     files = {f"f{i}": bytes([i]) * (1000 + i) for i in range(4)}
     target = layout.write_dir_atomically(tmp_path / "ok", files)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == files
