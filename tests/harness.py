@@ -151,7 +151,9 @@ class Stack:
             self.supervised_nats.start()
         run_dir = layout.run_dir(self.data_dir)
         env = {
-            **os.environ,
+            # pytest's per-test variable aside: the rest is the environment the services import
+            # their libraries under, one preloaded fork server for all of a run's stacks (tinkerd/launcher.py)
+            **{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),

@@ -1,7 +1,8 @@
 """`tinkerd up`: one command that runs the whole stack on this machine.
 
 Starts nats-server (unless an existing server is given), then each service as its own process
-(`tinkerd serve NAME`). It supervises them all: log lines are prefixed by service; a process that
+(`tinkerd serve NAME`, started by `tinkerd/launcher.py`: forked from a process that has already
+imported torch and its kin, or on a GPU machine executed afresh). It supervises them all: log lines are prefixed by service; a process that
 exits (a crash, kill -9) is restarted with backoff, nats-server on the same port and store; a
 service that stops showing signs of life (its liveness file, touched every few seconds by its
 event loop, goes stale: a frozen or deadlocked process) is killed and restarted the same way; and
@@ -38,6 +39,8 @@ from infra.natsd import NatsServer, start_nats
 from infra.net import ANNOUNCED, BIND_FAILED_EXIT, BIND_FAILED_PREFIX, BindError, read_announcement
 from infra.stack_state import service_of
 from libs.checkpoints import layout
+from tinkerd import launcher
+from tinkerd.launcher import Process
 
 SERVICES = ("trainer", "planner", "publisher", "sampler", "gateway")
 COLORS = {"gateway": 36, "planner": 35, "trainer": 33, "publisher": 32, "sampler": 34, "nats": 37}
@@ -171,7 +174,7 @@ LIVENESS_TIMEOUT_S = 60.0
 class Child:
     name: str
     env: dict[str, str]
-    process: subprocess.Popen[bytes] | None = None
+    process: Process | None = None
     restarts: int = 0
     started_at: float = 0.0
     log_thread: threading.Thread | None = field(default=None, repr=False)
@@ -192,7 +195,7 @@ class Child:
 
 
 NATS = "nats"
-Exit = tuple[str, "subprocess.Popen[bytes] | None"]
+Exit = tuple[str, "Process | None"]
 """What the supervisor's queue carries: a child (or NATS) and the process of it that ended."""
 
 
@@ -348,24 +351,17 @@ class Supervisor:
             sys.stdout.flush()
 
     def start(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "tinkerd.cli", "serve", service_of(child.name)]
         if child.liveness is not None:
             child.liveness.unlink(missing_ok=True)  # checked once the new process has touched it
         if child.announce is not None:
             child.announce.unlink(missing_ok=True)  # the address of a process that is gone
-        child.process = subprocess.Popen(
-            cmd,
-            env=child.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: we stop it (and anything it spawns) as one
-        )
+        child.process = launcher.start("tinkerd.cli", ["serve", service_of(child.name)], child.env)
         child.started_at = time.monotonic()
         self._set_state(child, st.STARTING, child.state.detail)
         child.log_thread = threading.Thread(target=self._pump, args=(child, child.process), daemon=True)
         child.log_thread.start()
 
-    def _pump(self, child: Child, process: subprocess.Popen[bytes]) -> None:
+    def _pump(self, child: Child, process: Process) -> None:
         assert process.stdout is not None
         marker = READY_MARKERS[service_of(child.name)]
         for raw in process.stdout:
@@ -396,9 +392,9 @@ class Supervisor:
                 continue
             child = self.children[name]
             assert child.process is not None
-            if ended is not child.process or child.process.poll() is None:
+            code = child.process.poll()
+            if ended is not child.process or code is None:
                 continue  # a release of a child that already runs again, or a stale report
-            code = child.process.returncode
             if name in self.held:
                 self._set_state(child, st.STOPPED, f"exited with code {code}; held down")
                 self.say(name, f"exited with code {code}; held down until released")
@@ -516,7 +512,7 @@ class Supervisor:
             self.state_file.unlink(missing_ok=True)  # no stack runs any more
 
 
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(process: Process, sig: signal.Signals) -> None:
     try:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
