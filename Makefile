@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SDK024_VENV ?= .venv-sdk024
 # pytest-xdist workers, each taking whole modules (their fixtures shared); two for a 2-core
-# machine, where three (pytest 14:19 against 13:09) and four measured slower. Each worker, and
+# machine, where three measured no faster (pytest 9:43 against 9:51). Each worker, and
 # every service a test starts, computes on one torch thread (OMP_NUM_THREADS=1): with two workers
 # on two cores, more threads only queue for the cores (the unit tier measured 88 s on two threads
 # per worker, 67 s on one).

@@ -20,6 +20,10 @@ Everything read from the environment while importing (`HF_HUB_OFFLINE`, `OMP_NUM
 `PYTHONHASHSEED`, ...) is fixed when this process starts, so the launcher runs one server per
 environment, Tinkerd's own `TINKERD_*` variables aside (`launcher.preload_key`).
 
+Children share what the server drew before forking, except what resets itself at a fork: Python's
+`random` reseeds in every child, and no service draws from a global generator it has not seeded
+(sampling and adapter initialisation use their own seeded `torch.Generator`s).
+
 Hand-written, not `multiprocessing`'s forkserver: that one re-imports the parent's main module in
 every child, and any thread that starts a process may read another child's exit code (it polls
 every child on each start), where the supervisor needs each exit exactly once.
