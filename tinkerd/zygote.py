@@ -134,6 +134,10 @@ def serve(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
 
 def become(request: dict[str, Any], out: int) -> None:
     """Turn this freshly forked process into `python -m MODULE ARGS` (never returns)."""
+    from setproctitle import setproctitle
+
+    # as `ps` shows an executed one; first, while the environment still lies where the title's room is
+    setproctitle(" ".join([sys.executable, "-m", request["module"], *request["args"]]))
     os.setsid()
     os.dup2(out, 1)
     os.dup2(out, 2)
