@@ -248,9 +248,14 @@ def code_version() -> str:
 
 
 def header(title: str, quick: bool, **sizes: object) -> None:
+    import os
+
+    from tinkerd.launcher import launch_mode
+
     print(f"# {title}{' (--quick)' if quick else ''}")
     print(f"machine: {machine()}")
     print(f"code: {code_version()}")
+    print(f"stack services started by: {launch_mode(dict(os.environ))} (TINKERD_LAUNCH)")
     print("sizes: " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
     print(flush=True)
 

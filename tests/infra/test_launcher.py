@@ -56,11 +56,13 @@ def test_a_started_process_has_exactly_its_environment_its_own_session_and_its_e
 @pytest.mark.parametrize("mode", launcher.MODES)
 def test_a_running_process_shows_its_command_and_killed_by_a_signal_reports_minus_that_signal(mode: str) -> None:
     process = launcher.start(CHILD, ["wait"], _env(TINKERD_LAUNCH=mode))
-    _first_line(process)
-    assert process.poll() is None
-    shown = Path(f"/proc/{process.pid}/cmdline").read_text().replace("\0", " ")
-    assert f"-m {CHILD} wait" in shown  # what `ps` shows, forked or executed
-    os.killpg(process.pid, signal.SIGKILL)
+    try:
+        _first_line(process)
+        assert process.poll() is None
+        shown = Path(f"/proc/{process.pid}/cmdline").read_text().replace("\0", " ")
+        assert f"-m {CHILD} wait" in shown  # what `ps` shows, forked or executed
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # never left behind, whatever failed above
     assert process.wait() == -signal.SIGKILL
 
 
