@@ -2,12 +2,13 @@
 `python -m MODULE ARGS` would, with exactly `env`, its output on one pipe, in a session of its own.
 
 Two ways, chosen by `TINKERD_LAUNCH`:
-- `fork` (the default on a machine without an NVIDIA GPU): forked from a fork server that has
+- `fork` (the default on Linux without an NVIDIA GPU): forked from a fork server that has
   already imported torch, transformers and megatron-core (`tinkerd/zygote.py`). A start, or a
   restart after a crash, then skips about 3 CPU-seconds of imports per service on a small machine.
   One server runs per environment (`preload_key`), for as long as this process; should it die,
   the services it started are killed (so none ever runs twice) and the supervisor restarts them.
-- `exec` (the default where `/dev/nvidiactl` exists): a fresh interpreter per service. A library
+- `exec` (the default where `/dev/nvidiactl` exists, and off Linux: the fork server uses Linux's
+  pidfds): a fresh interpreter per service. A library
   that touches the CUDA driver while it is imported would leave every forked child unable to use
   the GPU, so GPU machines do not fork.
 """
@@ -45,7 +46,8 @@ class Process(Protocol):
 
 
 def launch_mode(env: dict[str, str]) -> str:
-    mode = env.get(LAUNCH_VAR) or ("exec" if Path("/dev/nvidiactl").exists() else "fork")
+    forkable = sys.platform == "linux" and not Path("/dev/nvidiactl").exists()
+    mode = env.get(LAUNCH_VAR) or ("fork" if forkable else "exec")
     if mode not in MODES:
         raise ValueError(f"{LAUNCH_VAR} must be one of {MODES}, got {mode!r}")
     return mode
