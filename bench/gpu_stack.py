@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import QWEN3_8B, Results, Shape, lora_modules, markdown_table  # noqa: E402
+from tinkerd.launcher import launch_mode  # noqa: E402
 
 RANK = 32
 MODEL_NAME = "qwen3-8b-random"
@@ -78,6 +79,7 @@ class Bench:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.results = Results(self.out / "results.json")
+        self.results.put("env", "launch", launch_mode(dict(os.environ)))  # how the stack's services start
         self.cuda = torch.cuda.is_available() and not args.tiny
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
