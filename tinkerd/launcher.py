@@ -68,6 +68,12 @@ def start(module: str, args: list[str], env: dict[str, str]) -> Process:
     )
 
 
+def prepare(env: dict[str, str]) -> None:
+    """Start the fork server for `env` now (it imports in the background), if `env` forks."""
+    if launch_mode(env) == "fork":
+        fork_server(env)
+
+
 class ServerLost(Exception):
     """The fork server ended before it could fork the process asked for."""
 

@@ -552,6 +552,8 @@ def up(
     from libs.models.registry import resolve_base_model
 
     data_dir.mkdir(parents=True, exist_ok=True)
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    launcher.prepare(base_env)  # the fork server imports while the model and nats-server get ready
     model = resolve_base_model(base_model, data_dir)  # builds the embedded tiny model if missing
     nats: SupervisedNats | None = None
     if nats_url is None:
@@ -564,9 +566,7 @@ def up(
         )
     run_dir = layout.run_dir(data_dir)
     env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
+        **base_env,
         "TINKERD_NATS_URL": nats_url,
         "TINKERD_DATA_DIR": str(data_dir),
         "TINKERD_BASE_MODEL": base_model,
