@@ -7,10 +7,9 @@ Two ways, chosen by `TINKERD_LAUNCH`:
   restart after a crash, then skips about 3 CPU-seconds of imports per service on a small machine.
   One server runs per environment (`preload_key`), for as long as this process; should it die,
   the services it started are killed (so none ever runs twice) and the supervisor restarts them.
-- `exec` (the default where `/dev/nvidiactl` exists, and off Linux: the fork server uses Linux's
-  pidfds): a fresh interpreter per service. A library
-  that touches the CUDA driver while it is imported would leave every forked child unable to use
-  the GPU, so GPU machines do not fork.
+- `exec` (the default where `/dev/nvidiactl` exists, and off Linux, as the fork server uses
+  Linux's pidfds): a fresh interpreter per service. A library that touches the CUDA driver while
+  it is imported would leave every forked child unable to use the GPU, so GPU machines do not fork.
 """
 
 from __future__ import annotations

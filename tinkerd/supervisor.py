@@ -2,11 +2,12 @@
 
 Starts nats-server (unless an existing server is given), then each service as its own process
 (`tinkerd serve NAME`, started by `tinkerd/launcher.py`: forked from a process that has already
-imported torch and its kin, or on a GPU machine executed afresh). It supervises them all: log lines are prefixed by service; a process that
-exits (a crash, kill -9) is restarted with backoff, nats-server on the same port and store; a
-service that stops showing signs of life (its liveness file, touched every few seconds by its
-event loop, goes stale: a frozen or deadlocked process) is killed and restarted the same way; and
-Ctrl-C (or SIGTERM) stops everything, nats-server included, leaving no process behind.
+imported torch and its kin, or on a GPU machine executed afresh). It supervises them all: log
+lines are prefixed by service; a process that exits (a crash, kill -9) is restarted with backoff,
+nats-server on the same port and store; a service that stops showing signs of life (its liveness
+file, touched every few seconds by its event loop, goes stale: a frozen or deadlocked process) is
+killed and restarted the same way; and Ctrl-C (or SIGTERM) stops everything, nats-server
+included, leaving no process behind.
 
 Addresses: no port is chosen by probing. nats-server picks its own ports; each HTTP service
 (gateway, sampler) binds its own socket and announces the bound address in `DATA/run/<child>.addr`
