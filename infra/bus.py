@@ -136,9 +136,13 @@ class Bus:
                 await self.nc.close()
 
 
-IDLE_FETCH_S = 0.25
+IDLE_FETCH_S = 1.0
 """How long a fetch waits for messages on an idle stream: also the longest `stop` waits for it (a
-fetch is never cancelled, which could strand a delivered message until its ack wait)."""
+fetch is never cancelled, which could strand a delivered message until its ack wait). Not
+shorter: with 0.25 s, the planner's fetch of an optim_step's outcome stalled about 207 ms on the
+H200 stack (p50 of 5; 0.7 ms with 1.0 s, `bench/gpu_stack.py` stage "4b"; not seen on a 2-core
+CPU stack). Likely the race nats-py's fetch describes: a pull request the client has already given
+up on catches the next message, and the following fetch waits out its window."""
 
 
 async def fetch_loop(
