@@ -46,6 +46,13 @@ STACK_MODEL = "tiny-qwen3"
 
 
 @functools.cache
+def inherited_env() -> dict[str, str]:
+    """This process's environment for the processes a test starts, pytest's per-test variable
+    aside: the services import their libraries under it, so one preloaded fork server serves all
+    of a test process's stacks (tinkerd/launcher.py)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 def _built_stack_model() -> Path:
     """The stacks' base model, built once per test process.
 
@@ -151,9 +158,7 @@ class Stack:
             self.supervised_nats.start()
         run_dir = layout.run_dir(self.data_dir)
         env = {
-            # pytest's per-test variable aside: the rest is the environment the services import
-            # their libraries under, one preloaded fork server for all of a run's stacks (tinkerd/launcher.py)
-            **{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+            **inherited_env(),
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from tests.harness import inherited_env
 from tinkerd import launcher
 
 CHILD = "tests.infra.launched_child"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    return {**base, **extra}
+    return {**inherited_env(), **extra}
 
 
 def _first_line(process: launcher.Process) -> dict[str, Any]:
