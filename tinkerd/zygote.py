@@ -73,7 +73,8 @@ MAX_MESSAGE = 1 << 20
 def _preload() -> None:
     with warnings.catch_warnings():
         # Import-time notes of the libraries (megatron-core: "Transformer Engine and Apex are not
-        # installed") would otherwise print here, unattributed; each service that uses those paths says so.
+        # installed", expected without a GPU) would print here, attributed to no service; forked
+        # services do not repeat them (their imports are done), executed ones still print them.
         warnings.simplefilter("ignore")
         for name in PRELOAD:
             try:
