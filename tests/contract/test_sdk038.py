@@ -20,9 +20,7 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +36,7 @@ from tinker.lib.api_future_impl import QueueState
 from tests.contract.surface import Recorder
 from tests.harness import JWT_AUTH, SharedStacks, Stack
 from tests.sdk import datum
+from tests.tinker_cli import run_tinker_cli
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -563,11 +562,7 @@ def test_what_is_not_offered_answers_a_non_retryable_400(stack: Stack, method: s
 
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": KEY}
-    tinker_cli = Path(sys.executable).with_name("tinker")
-    return subprocess.run(
-        [str(tinker_cli), *args], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    return run_tinker_cli(stack.base_url, KEY, *args)
 
 
 def cli_json(stack: Stack, *args: str) -> Any:

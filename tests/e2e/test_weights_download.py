@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tinker import types
 from tests.harness import Stack
 from tests.hf_reference import HFReference
 from tests.numerics import assert_within
+from tests.tinker_cli import run_tinker_cli
 
 pytestmark = pytest.mark.slow
 
@@ -95,11 +95,7 @@ def test_weights_download_of_a_save_state_path_builds_a_hf_model_with_the_server
 
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TINKER_BASE_URL": stack.base_url, "TINKER_API_KEY": KEY}
-    tinker_cli = Path(sys.executable).with_name("tinker")
-    return subprocess.run(
-        [str(tinker_cli), *args], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    return run_tinker_cli(stack.base_url, KEY, *args)
 
 
 def test_tinker_checkpoint_download_of_a_training_checkpoint_and_of_an_encrypted_export(
