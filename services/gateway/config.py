@@ -53,6 +53,12 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tell SDKs `pjwt_auth_enabled`: they exchange their key for a short-lived JWT
     (`POST /api/v1/auth/token`) and `RestClient.whoami` works. API keys keep working."""
     jwt_lifetime_s: float = 900.0
+    client_transport: Literal["httpx", "pyqwest"] = "httpx"
+    """The HTTP transport the client config tells SDKs to use (`use_pyqwest_transport`).
+    `httpx`: pure Python. `pyqwest` (the SDK's own default): Rust threads that can still be
+    calling into the interpreter while a finished client process exits; CPython up to 3.13 then
+    aborts that process (SIGABRT, exit status 134 after the script's work is done) about one
+    exit in fifty on a loaded machine (docs/operations.md, "The SDK's HTTP transport")."""
     cache_tokenizer: bool = True
     """For an embedded model (tiny-qwen3, tiny-llama): put its tokenizer in the local Hugging Face
     cache under its names, so `SamplingClient.get_tokenizer()` works on this machine."""

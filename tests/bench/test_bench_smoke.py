@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ["gateway_overhead", "trainer_cpu", "sampler_cpu", "recovery"]
+SCRIPTS = ["gateway_overhead", "trainer_cpu", "sampler_cpu", "recovery", "client_transport"]
 
 
 @pytest.mark.slow

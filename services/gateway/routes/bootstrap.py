@@ -27,7 +27,7 @@ CLIENT_CONFIG = w.ClientConfigResponse(
     pjwt_auth_enabled=False,  # `jwt_auth` turns it on (client_config_for)
     proto_compress_fwdbwd=False,
     parallel_fwdbwd_chunks=True,
-    use_pyqwest_transport=True,
+    use_pyqwest_transport=False,  # `client_transport` turns it on (client_config_for)
     sample_use_retrieve_futures=False,
     custom_loss_server_side=False,  # server-side custom losses: not offered (forward_backward_custom works client-side)
     sample_join_sampling_session=False,
@@ -50,6 +50,7 @@ def client_config_for(config: GatewayConfig) -> w.ClientConfigResponse:
         fwdbwd_max_chunk_bytes_count=max(1, config.max_request_bytes - framing),
         sample_max_concurrent_requests=max(1, config.sampling_capacity),
         pjwt_auth_enabled=config.jwt_auth,
+        use_pyqwest_transport=config.client_transport == "pyqwest",
     )
 
 
