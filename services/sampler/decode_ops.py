@@ -7,13 +7,17 @@ paths; ``use_triton(x)`` decides (CUDA tensors and Triton importable, unless
 the CUDA tests hold the kernels to, and what runs on the CPU.
 
 * ``rms_norm``: optional residual add, then RMSNorm (fp32 statistics, as Hugging Face's).
-* ``lora_delta`` / ``add_lora``: per-row LoRA over a fused group.  ``a``: (slots, R, in) holds
-  each slot's ``A`` of every member module stacked (member ``j`` owns rows ``[j r, (j + 1) r)``),
-  ``b``: (slots, out, r) each member's ``B`` over its output columns.  A row reads only its own
-  slot's matrices; rows of slot ``-1`` get nothing.  The kernels work per (slot, block) and skip
-  slots no row uses, so no row's output is ever computed from another slot's values: a shrink
-  kernel split over ``in`` writes partial sums of ``x A^T`` that an expand kernel adds up, each
-  program multiplying tiles of its own slot's rows only (the rows grouped by slot, ``group_rows``).
+* ``add_lora``: per-row LoRA over a fused group whose every slot's ``A`` is folded into the
+  base weight: the projection's weight is ``[W; A]`` with ``A`` (slots * R, in), slot ``s``'s
+  ``A`` of every member module in rows ``[out + s R, out + (s + 1) R)`` (member ``j``: ``[j r,
+  (j + 1) r)`` of those), so one GEMM gives the base output ``y[:, :out]`` and every slot's
+  ``x A^T`` in ``y[:, out:]``: the shrink costs no kernel of its own.  ``b``: (slots, out, r),
+  each member's ``B`` over its output columns.  The expand reads, for each row, only its own
+  slot's columns of ``y[:, out:]`` and its own slot's ``B``; rows of slot ``-1`` get nothing.
+  A slot's values reach only its own columns (each GEMM output column is a dot product of its
+  own weight row), and the kernel works per (slot, block), skipping slots no row uses, each
+  program multiplying tiles of its own slot's rows only (the rows grouped by slot,
+  ``group_rows``): no row's output is ever computed from another slot's values.
 * ``qk_rope_cache``: per-head RMSNorm of q and k (Qwen3), rotary embedding, and the write of
   the step's k and v into the cache at each row's position.
 * ``decode_attention``: each row's query heads against cache columns ``[0, length)`` of its own
@@ -75,22 +79,24 @@ def rms_norm_torch(
     return weight * h.to(x.dtype), x
 
 
-def lora_delta_torch(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
+def lora_expand_torch(
+    y: torch.Tensor, out: int, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
 ) -> torch.Tensor:
-    """The LoRA term (k, T, out) of rows ``x`` (k, T, in) with slots ``slots`` (k,), -1: none.
+    """``y[..., :out]`` plus each row's LoRA term, for the folded projection's output ``y``
+    (k, T, out + slots * R) of ``k`` rows with slots ``slots`` (k,), -1: none (a new tensor).
 
     ``bounds``: the members' output offsets plus ``out`` (``[0, 4096, 5120, 6144]`` for q/k/v).
     """
-    rank = b.shape[-1]
+    n_slots, _, rank = b.shape
     index = slots.clamp(min=0)
-    h = torch.bmm(x, a[index].transpose(1, 2))  # (k, T, R): each row with its own slot's A
+    shrunk = y[..., out:].unflatten(-1, (n_slots, -1))  # (k, T, slots, R): every slot's x A^T
+    h = shrunk[torch.arange(len(slots), device=y.device), :, index]  # (k, T, R): the row's own slot
     parts = []
     for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         bj = b[index, lo:hi]  # (k, n_j, r)
         parts.append(torch.bmm(h[..., j * rank : (j + 1) * rank], bj.transpose(1, 2)))
     delta = torch.cat(parts, dim=-1)
-    return torch.where((slots >= 0)[:, None, None], delta, torch.zeros_like(delta))
+    return y[..., :out] + torch.where((slots >= 0)[:, None, None], delta, torch.zeros_like(delta))
 
 
 def qk_heads_torch(
@@ -153,7 +159,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, res_stride, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -161,7 +167,7 @@ if triton is not None:
         x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0)
         if HAS_RES:
             x = (
-                x.to(tl.float32) + tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+                x.to(tl.float32) + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
             ).to(x.dtype)
             tl.store(sum_ptr + row * n + cols, x, mask=mask)
         xf = x.to(tl.float32)
@@ -171,38 +177,11 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, h.to(x.dtype), mask=mask)
 
     @triton.jit
-    def _lora_shrink_kernel(
-        x_ptr, a_ptr, order_ptr, starts_ptr, part_ptr, nrows, k_in, r_total, tile_step,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _lora_expand_kernel(
+        y_ptr, b_ptr, order_ptr, starts_ptr, y_stride, n_out, r_total, b1, b2, tile_step,
+        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     ):  # fmt: skip
         # Rows ``order[starts[slot]:starts[slot + 1]]`` use the slot: only they are multiplied.
-        slot = tl.program_id(0)
-        split = tl.program_id(1)
-        lo = tl.load(starts_ptr + slot) + tl.program_id(2) * BLOCK_M  # this program's first tile
-        hi = tl.load(starts_ptr + slot + 1)
-        if lo < hi:  # else the slot has no rows here: no work
-            ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
-            rs = tl.arange(0, BLOCK_R)
-            a = tl.load(
-                a_ptr + slot * r_total * k_in + rs[:, None] * k_in + ks[None, :],
-                mask=rs[:, None] < r_total,
-                other=0.0,
-            )  # (R, K)
-            for m0 in range(lo, hi, tile_step):  # its tiles: every tile_step-th row from lo
-                at = m0 + tl.arange(0, BLOCK_M)
-                valid = at < hi
-                rows = tl.load(order_ptr + at, mask=valid, other=0)
-                x = tl.load(x_ptr + rows[:, None] * k_in + ks[None, :], mask=valid[:, None], other=0.0)
-                h = tl.dot(x, tl.trans(a))  # (M, R) fp32
-                out = part_ptr + split * nrows * r_total + rows[:, None] * r_total + rs[None, :]
-                tl.store(out, h, mask=valid[:, None] & (rs[None, :] < r_total))
-
-    @triton.jit
-    def _lora_expand_kernel(
-        y_ptr, part_ptr, b_ptr, order_ptr, starts_ptr, nrows, n_out, r_total, b1, b2, tile_step,
-        SPLITS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):  # fmt: skip
         slot = tl.program_id(0)
         c0 = tl.program_id(1) * CHUNK  # a chunk of columns inside one member's columns
         lo = tl.load(starts_ptr + slot) + tl.program_id(2) * BLOCK_M  # this program's first tile
@@ -210,17 +189,12 @@ if triton is not None:
         if lo < hi:  # else the slot has no rows here: no work
             member = (c0 >= b1).to(tl.int32) + (c0 >= b2).to(tl.int32)
             rs = tl.arange(0, RANK)
+            shrunk = n_out + slot * r_total + member * RANK  # this slot's and member's x A^T columns
             for m0 in range(lo, hi, tile_step):  # its tiles: every tile_step-th row from lo
                 at = m0 + tl.arange(0, BLOCK_M)
                 valid = at < hi
                 rows = tl.load(order_ptr + at, mask=valid, other=0)
-                h = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-                for s in tl.static_range(SPLITS):  # the shrink's partial sums, in a fixed order
-                    src = (
-                        part_ptr + s * nrows * r_total + rows[:, None] * r_total + member * RANK + rs[None, :]
-                    )
-                    h += tl.load(src, mask=valid[:, None], other=0.0)
-                hb = h.to(b_ptr.dtype.element_ty)
+                hb = tl.load(y_ptr + rows[:, None] * y_stride + shrunk + rs[None, :], mask=valid[:, None], other=0.0)
                 for n in tl.static_range(0, CHUNK, BLOCK_N):
                     ns = c0 + n + tl.arange(0, BLOCK_N)
                     cols = ns < n_out
@@ -230,7 +204,7 @@ if triton is not None:
                         other=0.0,
                     )
                     delta = tl.dot(hb, tl.trans(bt))  # (M, N) fp32
-                    dst = y_ptr + rows[:, None] * n_out + ns[None, :]
+                    dst = y_ptr + rows[:, None] * y_stride + ns[None, :]
                     keep = valid[:, None] & cols[None, :]
                     y = tl.load(dst, mask=keep, other=0.0)
                     tl.store(
@@ -350,12 +324,12 @@ if triton is not None:
         tl.store(o_ptr + (row * HEADS + head) * D + ds, o.to(o_ptr.dtype.element_ty), mask=ds < D)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, gu_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
-        g = tl.load(gu_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * n + n + cols, mask=mask, other=0.0)
+        g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0)
         act = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (act * u.to(tl.float32)).to(u.dtype), mask=mask)
 
@@ -366,7 +340,8 @@ if triton is not None:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, x + residual) of rows ``x`` (B, n)."""
+    """(normed, x + residual) of rows ``x`` (B, n), contiguous; ``residual``'s rows may be strided
+    (a folded projection's base columns)."""
     if not use_triton(x):
         return rms_norm_torch(x, weight, eps, residual)
     b, n = x.shape
@@ -374,8 +349,8 @@ def rms_norm(
     total = torch.empty_like(x) if residual is not None else x
     kernel: Any = _rms_norm_kernel
     kernel[(b,)](
-        x, residual if residual is not None else x, weight, out, total, n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
+        x, residual if residual is not None else x, weight, out, total, n,
+        residual.stride(0) if residual is not None else n, eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8,
     )  # fmt: skip
     return out, total
 
@@ -393,47 +368,36 @@ def group_rows(slots: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.T
 
 def add_lora(
     y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
+    out: int,
     b: torch.Tensor,
     slots: torch.Tensor,
     bounds: list[int],
     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``y`` (B, out) plus each row's LoRA term of ``x`` (B, in); in place on the Triton path.
-    ``groups``: ``group_rows(slots, a.shape[0])``, when the caller has it already."""
-    if not use_triton(x):
-        return y + lora_delta_torch(x[:, None, :], a, b, slots, bounds)[:, 0, :]
-    nrows, k_in = x.shape
-    n_slots, r_total, _ = a.shape
-    rank = b.shape[-1]
-    n_out = b.shape[1]
+    """The base columns of a folded projection's output ``y`` (B, out + slots * R) plus each
+    row's LoRA term: ``y[:, :out]`` updated in place on the Triton path (a strided view), a new
+    tensor on the torch path. ``groups``: ``group_rows(slots, b.shape[0])``, when the caller has
+    it already."""
+    if not use_triton(y):
+        return lora_expand_torch(y[:, None, :], out, b, slots, bounds)[:, 0, :]
+    nrows = y.shape[0]
+    n_slots, _, rank = b.shape
+    r_total = (y.shape[1] - out) // n_slots
     sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-    cuts = [*bounds[1:-1], n_out, n_out][:2]
+    cuts = [*bounds[1:-1], out, out][:2]
     order, starts = groups if groups is not None else group_rows(slots, n_slots)
-    block_k = _pow2_divisor(k_in, 1 << 14)  # the smallest power-of-two split with <= 32 splits
-    while block_k > 16 and k_in // (block_k // 2) <= 32:
-        block_k //= 2
-    splits = k_in // block_k
-    part = torch.empty(splits, nrows, r_total, device=x.device, dtype=torch.float32)
-    shrink: Any = _lora_shrink_kernel
     # Each slot's rows in tiles of GROUP_ROWS, spread over up to ROW_PROGRAMS programs per (slot, block)
     programs = min(ROW_PROGRAMS, triton.cdiv(nrows, GROUP_ROWS))
-    step = programs * GROUP_ROWS
-    shrink[(n_slots, splits, programs)](
-        x, a, order, starts, part, nrows, k_in, r_total, step,
-        BLOCK_R=max(16, triton.next_power_of_2(r_total)), BLOCK_K=block_k, BLOCK_M=GROUP_ROWS, num_warps=4,
-    )  # fmt: skip
     chunk = 1024
     for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
         chunk = min(chunk, _pow2_divisor(size, 1024))
     chunk = min(chunk, triton.next_power_of_2(sizes[-1]))
     expand: Any = _lora_expand_kernel
-    expand[(n_slots, triton.cdiv(n_out, chunk), programs)](
-        y, part, b, order, starts, nrows, n_out, r_total, cuts[0], cuts[1], step,
-        SPLITS=splits, RANK=rank, BLOCK_M=GROUP_ROWS, BLOCK_N=min(128, chunk), CHUNK=chunk, num_warps=4,
+    expand[(n_slots, triton.cdiv(out, chunk), programs)](
+        y, b, order, starts, y.stride(0), out, r_total, cuts[0], cuts[1], programs * GROUP_ROWS,
+        RANK=rank, BLOCK_M=GROUP_ROWS, BLOCK_N=min(128, chunk), CHUNK=chunk, num_warps=4,
     )  # fmt: skip
-    return y
+    return y[:, :out]
 
 
 def qk_rope_cache(
@@ -507,12 +471,12 @@ def decode_attention(
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of rows ``gu`` (B, 2F) = [gate | up]."""
+    """``silu(gate) * up`` of rows ``gu`` (B, 2F) = [gate | up] (rows may be strided)."""
     if not use_triton(gu):
         return silu_mul_torch(gu)
     b, two_n = gu.shape
     n = two_n // 2
     out = torch.empty(b, n, device=gu.device, dtype=gu.dtype)
     kernel: Any = _silu_mul_kernel
-    kernel[(b, triton.cdiv(n, 1024))](gu, out, n, BLOCK=1024, num_warps=4)
+    kernel[(b, triton.cdiv(n, 1024))](gu, out, n, gu.stride(0), BLOCK=1024, num_warps=4)
     return out

@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -329,6 +329,14 @@ class LoRAPool:
         self._used = [0] * slots
         self._clock = 0
         self.loads = 0
+
+    def place_a(self, name: str, storage: torch.Tensor) -> None:
+        """Keep group ``name``'s ``A`` in ``storage`` (slots * members * rank, in) from now on:
+        rows of a folded projection weight (``static_engine``). Its current values move there."""
+        group = self.groups[name]
+        a = storage.view(group.a.shape)  # raises unless the sizes match
+        a.copy_(group.a)
+        self.groups[name] = replace(group, a=a)
 
     def slot_of(self, adapter: LoadedAdapter) -> int | None:
         for slot, owner in enumerate(self._owner):

@@ -16,9 +16,11 @@ registry, and replaces its forward passes:
   torch twins on the CPU) writes each row's pending token at its own position and attends over
   columns ``[0, position]`` of its own row only.
 * **LoRA.**  Adapters are copied into the slots of a ``LoRAPool`` (per fused projection one
-  ``A``/``B`` pair for all slots); every row carries its slot, and a row's LoRA term is computed
-  from its slot's matrices alone (``decode_ops.add_lora``; prefill gathers each prompt's slot),
-  so a step over any mix of adapters has fixed shapes and no row sees another slot.  A row waits
+  ``A``/``B`` pair for all slots).  Every slot's ``A`` is kept as extra rows of its projection's
+  weight (``[W; A]``), so the one GEMM of a projection gives the base output and every slot's
+  ``x A^T`` at once; every row carries its slot, and a row's LoRA term is its own slot's columns
+  of that output times its slot's ``B`` (``decode_ops.add_lora``; prefill the same in torch), so
+  a step over any mix of adapters has fixed shapes and no row sees another slot.  A row waits
   for admission while every slot is held by other running adapters.
 * **CUDA graphs.**  On CUDA each decode step replays a graph captured for its (batch bucket,
   cache-length bucket): batch padded to a power of two up to ``max_batch_size``, attention
@@ -69,10 +71,13 @@ def _bucket(value: int, buckets: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Projection:
-    """One fused projection: base weight (out, in), its bias, and its LoRA pool group."""
+    """One fused projection: weight ``[W; A]`` (out + slots * R, in) with every LoRA slot's ``A``
+    below the base rows, its bias (zeros under ``A``), ``out`` base output columns, and its LoRA
+    pool group (whose ``a`` is the weight's rows under ``out``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+    out: int
     lora: PoolGroup
 
 
@@ -88,20 +93,23 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for ``linears`` that read the same input; each module's own
-    weight becomes a view of its rows, so the fused copy costs no memory."""
-    weight = torch.cat([m.weight for m in linears], dim=0)
+def _fuse(linears: list[nn.Linear], extra_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` that read the same input, with ``extra_rows`` zero
+    rows below theirs (bias zero there); each module's own weight becomes a view of its rows, so
+    the fused copy costs no memory beyond the extra rows."""
+    first = linears[0].weight
+    out = sum(m.out_features for m in linears)
+    weight = torch.zeros(out + extra_rows, first.shape[1], device=first.device, dtype=first.dtype)
     bias = None
     if any(m.bias is not None for m in linears):
-        bias = torch.cat(
-            [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-        )
+        bias = weight.new_zeros(out + extra_rows)
     lo = 0
     for m in linears:
         hi = lo + m.out_features
+        weight[lo:hi] = m.weight
         m.weight = nn.Parameter(weight[lo:hi], requires_grad=False)
         if m.bias is not None and bias is not None:
+            bias[lo:hi] = m.bias
             m.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
         lo = hi
     return weight, bias
@@ -169,7 +177,10 @@ class StaticCacheEngine(HFEngine):
             head = self._bases.get(self._head_name)
             if head is None:
                 raise ValueError("the static engine needs an nn.Linear lm_head")
-            self._head = _Projection(head.weight, head.bias, self._pool.groups["lm_head"])
+            tied = head.weight is cast(Any, self._embed).weight
+            self._head = self._folded("lm_head", [head])
+            if tied:  # the embedding keeps sharing the lm_head's (now folded) rows
+                cast(Any, self._embed).weight = head.weight
             # Static inputs of a decode step (graph-captured): tokens, positions, LoRA slots.
             self._inputs = torch.zeros(3, self._max_batch, dtype=torch.long, device=self.device)
             self._host_inputs = torch.zeros(
@@ -247,13 +258,22 @@ class StaticCacheEngine(HFEngine):
         groups["lm_head"] = (self._head_name,)
         return groups
 
+    def _folded(self, group: str, linears: list[nn.Linear]) -> _Projection:
+        """The fused weight of ``linears`` with every slot's ``A`` of pool group ``group`` folded
+        in below it (the pool keeps its ``A`` there from now on)."""
+        lora = self._pool.groups[group]
+        weight, bias = _fuse(linears, lora.a.shape[0] * lora.a.shape[1])
+        out = weight.shape[0] - lora.a.shape[0] * lora.a.shape[1]
+        self._pool.place_a(group, weight[out:])
+        return _Projection(weight, bias, out, self._pool.groups[group])
+
     def _fuse_layer(self, i: int) -> _Layer:
         prefix, layer = self._layer_names[i], self._layers[i]
         groups = self._pool.groups
 
         def projection(group: str) -> _Projection:
-            weight, bias = _fuse([self._bases[m] for m in groups[f"{prefix}.{group}"].members])
-            return _Projection(weight, bias, groups[f"{prefix}.{group}"])
+            name = f"{prefix}.{group}"
+            return self._folded(name, [self._bases[m] for m in groups[name].members])
 
         attn = layer.self_attn
         return _Layer(
@@ -275,15 +295,15 @@ class StaticCacheEngine(HFEngine):
         groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Rows ``x`` (B, in) through ``p``, each row with its own LoRA slot (``groups``: the
-        rows grouped by slot, ``ops.group_rows``, shared by a step's projections)."""
+        rows grouped by slot, ``ops.group_rows``, shared by a step's projections). On CUDA the
+        result is a view of the folded GEMM's output (rows strided)."""
         y = F.linear(x, p.weight, p.bias)
-        return ops.add_lora(y, x, p.lora.a, p.lora.b, slots, p.lora.bounds, groups)
+        return ops.add_lora(y, p.out, p.lora.b, slots, p.lora.bounds, groups)
 
     @staticmethod
     def _project_seq(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Prompts ``x`` (k, T, in) through ``p``, row ``j``'s tokens with slot ``slots[j]``."""
-        y = F.linear(x, p.weight, p.bias)
-        return y + ops.lora_delta_torch(x, p.lora.a, p.lora.b, slots, p.lora.bounds)
+        return ops.lora_expand_torch(F.linear(x, p.weight, p.bias), p.out, p.lora.b, slots, p.lora.bounds)
 
     def _unembed(
         self,

@@ -15,6 +15,7 @@ decoding, are ``test_static_engine.py``'s CUDA tests, which now run this path.)
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,8 @@ def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
 @cuda
 @pytest.mark.parametrize("batch", [1, 5, 64])
 def test_cuda_rms_norm_with_residual_matches_float64(batch: int) -> None:
-    x, res, w = rnd(batch, 4096), rnd(batch, 4096), rnd(4096)
+    """The residual is a folded projection's base columns: rows strided."""
+    x, res, w = rnd(batch, 4096), rnd(batch, 4096 + 768)[:, :4096], rnd(4096)
     h, total = ops.rms_norm(x, w, 1e-6, res)
     ref_h, ref_total = ops.rms_norm_torch(x.double(), w.double(), 1e-6, res.double())
     assert rel(total, ref_total) < BF16_BOUND and rel(h, ref_h) < BF16_BOUND
@@ -54,21 +56,31 @@ def test_cuda_rms_norm_with_residual_matches_float64(batch: int) -> None:
     ("batch", "slots_used"), [(1, 1), (5, 3), (8, 8), (16, 5), (17, 5), (64, 8), (64, 3)]
 )
 def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slots_used: int) -> None:
-    """q/k/v-shaped group: 8 slots of rank 32; rows use ``slots_used`` of them, some rows none.
-    The unused slots hold NaN: no output row may see them. The kernels take a slot's rows in tiles
-    of ``GROUP_ROWS``: 16 and 17 rows of 5 slots and 64 rows of 3 fill one tile or several."""
+    """q/k/v-shaped group: 8 slots of rank 32, their ``A`` folded under the base weight; rows use
+    ``slots_used`` of them, some rows none. The unused slots hold NaN: no output row may see them.
+    The kernel takes a slot's rows in tiles of ``GROUP_ROWS``: 16 and 17 rows of 5 slots and 64
+    rows of 3 fill one tile or several."""
     n_slots, rank, k_in, bounds = 8, 32, 4096, [0, 4096, 5120, 6144]
+    out = bounds[-1]
+    w = rnd(out, k_in, scale=k_in**-0.5)
     a = rnd(n_slots, 3 * rank, k_in, scale=k_in**-0.5)
-    b = rnd(n_slots, bounds[-1], rank, scale=0.05)
+    b = rnd(n_slots, out, rank, scale=0.05)
     slots = torch.arange(batch, device="cuda") % slots_used
     slots[::4] = -1  # every fourth row without an adapter
     unused = [s for s in range(n_slots) if s not in set(slots.tolist())]
     a[unused], b[unused] = float("nan"), float("nan")
-    x, y0 = rnd(batch, k_in), rnd(batch, bounds[-1])
-    y = ops.add_lora(y0.clone(), x, a, b, slots, bounds)
-    ref = y0.double() + ops.lora_delta_torch(x.double()[:, None], a.double(), b.double(), slots, bounds)[:, 0]
+    x = rnd(batch, k_in)
+    folded = torch.nn.functional.linear(x, torch.cat([w, a.flatten(0, 1)]))  # (batch, out + slots * 3r)
+    base = folded[:, :out].clone()
+    y = ops.add_lora(folded, out, b, slots, bounds)
+    ref = x.double() @ w.double().t()
+    for i, slot in enumerate(slots.tolist()):  # row by row, its own slot's A and B in float64
+        if slot >= 0:
+            for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                h = a[slot, j * rank : (j + 1) * rank].double() @ x[i].double()
+                ref[i, lo:hi] += b[slot, lo:hi].double() @ h
     assert rel(y, ref) < BF16_BOUND
-    assert torch.equal(y[slots < 0], y0[slots < 0])  # no adapter: the base output, untouched
+    assert torch.equal(y[slots < 0], base[slots < 0])  # no adapter: the base output, untouched
 
 
 @cuda
@@ -120,7 +132,7 @@ def test_cuda_decode_attention_matches_float64_and_reads_only_filled_columns(win
 
 @cuda
 def test_cuda_silu_mul_matches_float64() -> None:
-    gu = rnd(9, 2 * 12288)
+    gu = rnd(9, 2 * 12288 + 512)[:, : 2 * 12288]  # a folded projection's base columns: rows strided
     assert rel(ops.silu_mul(gu), ops.silu_mul_torch(gu.double())) < BF16_BOUND
 
 
