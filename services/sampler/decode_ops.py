@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 SPLIT = 64
 """Cache columns per attention block (one program of the decode attention kernel)."""
 GROUP_ROWS = 16
-"""Rows of one slot that the LoRA shrink and expand kernels multiply at once (a tile)."""
+"""Rows of one slot that the LoRA expand kernel multiplies at once (a tile)."""
 ROW_PROGRAMS = 4
 """Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:
