@@ -78,7 +78,7 @@ def cli_exits(base_url: str, runs: int) -> collections.Counter[int]:
 
 def main() -> None:
     args = cpu_parser(__doc__ or "").parse_args()
-    calls, runs = (20, 10) if args.quick else (100, 100)
+    calls, runs = (10, 3) if args.quick else (100, 100)
     header("The SDK's HTTP transports", args.quick, calls=calls, cli_runs=runs, busy_loops=BUSY_LOOPS)
     latency_rows, exit_rows = [], []
     for transport in TRANSPORTS:
