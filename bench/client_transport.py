@@ -17,7 +17,6 @@ loopback). Per transport:
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import sys
 import time
@@ -59,15 +58,13 @@ def latencies(base_url: str, calls: int) -> dict[str, list[float]]:
 
 
 def cli_exits(base_url: str, runs: int) -> collections.Counter[int]:
-    env = {**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": "tml-bench-transport"}
-    cli = str(Path(sys.executable).with_name("tinker"))
+    from tests.tinker_cli import run_tinker_cli
+
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY_LOOPS)]
     try:
         codes: collections.Counter[int] = collections.Counter()
         for _ in range(runs):
-            done = subprocess.run(
-                [cli, "--format", "json", "checkpoint", "list"], env=env, capture_output=True, timeout=120, check=False
-            )
+            done = run_tinker_cli(base_url, "tml-bench-transport", "--format", "json", "checkpoint", "list")
             codes[done.returncode] += 1
         return codes
     finally:

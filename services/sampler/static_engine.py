@@ -261,9 +261,9 @@ class StaticCacheEngine(HFEngine):
     def _folded(self, group: str, linears: list[nn.Linear]) -> _Projection:
         """The fused weight of ``linears`` with every slot's ``A`` of pool group ``group`` folded
         in below it (the pool keeps its ``A`` there from now on)."""
-        lora = self._pool.groups[group]
-        weight, bias = _fuse(linears, lora.a.shape[0] * lora.a.shape[1])
-        out = weight.shape[0] - lora.a.shape[0] * lora.a.shape[1]
+        slots, rows, _ = self._pool.groups[group].a.shape
+        weight, bias = _fuse(linears, slots * rows)
+        out = sum(m.out_features for m in linears)
         self._pool.place_a(group, weight[out:])
         return _Projection(weight, bias, out, self._pool.groups[group])
 
