@@ -428,7 +428,7 @@ def stepped_pool(model_shape: Any, slots: int, rank: int, device: str = "cpu") -
     with torch.no_grad():
         for p in pool.parameters():
             p.normal_(0.0, 0.01)
-            p.grad = torch.randn_like(p) * 1e-3
+            p.grad.normal_(0.0, 1e-3)  # in place: the grads are views of the pool's rows
     for s in range(slots):
         pool.routing.configs[s] = LoraConfig(rank=rank, seed=s)
     return pool

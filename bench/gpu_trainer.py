@@ -572,7 +572,7 @@ class Bench:
         slots = 64
         self.peak_reset()
         pool = stepped_pool(shape, slots, LORA_RANK, device=self.device.type)
-        optimizer = SlotAdamW()
+        optimizer = SlotAdamW(rows=pool.rows)
         hp = AdamParams(learning_rate=1e-5)
 
         def step(count: int) -> None:  # one call for all slots, as TrainerEngine.optim_step makes

@@ -118,7 +118,7 @@ class TrainerEngine:
         # Many tenants in one batch: stacked LoRA kernels on a GPU (launches dominate), one
         # adapter per segment on a CPU (FLOPs dominate). Both give the same result.
         self.pool.routing.stacked = config.device == "cuda"
-        self.optimizer = SlotAdamW()
+        self.optimizer = SlotAdamW(rows=self.pool.rows)
         self._pending: set[int] = set()
         # One-column targets: log-probabilities from the hidden states by the chunked fused
         # linear cross-entropy (no [T, vocab] logits), or megatron's output layer + vocab-parallel

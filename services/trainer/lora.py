@@ -58,6 +58,7 @@ contribute exactly nothing and receive no gradient.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -264,17 +265,21 @@ class SlotAdapter(nn.Module):
         max_rank: int,
         routing: SlotRouting,
         device: str | torch.device = "cpu",
+        storage: PooledRows | None = None,
     ) -> None:
         super().__init__()
         self.target = target
         self.routing = routing
         self.max_rank = max_rank
         self.parts = target.num_parts
-        in_local = _local(target.in_features, target.a_kind, dim_is_split=True)
-        out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
         # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
-        self.lora_A = nn.Parameter(torch.zeros(num_slots, self.parts, max_rank, in_local, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=device))
+        a_shape, b_shape = self.shapes(target, num_slots, max_rank)
+        if storage is None:
+            self.lora_A = nn.Parameter(torch.zeros(a_shape, device=device))
+            self.lora_B = nn.Parameter(torch.zeros(b_shape, device=device))
+        else:
+            self.lora_A = storage.parameter(f"{target.path}.lora_A", a_shape)
+            self.lora_B = storage.parameter(f"{target.path}.lora_B", b_shape)
         parts = row_parts(target, shape)
         self.part_mask: torch.Tensor | None
         if parts is None:
@@ -282,6 +287,13 @@ class SlotAdapter(nn.Module):
         else:  # [out, parts] one-hot of each local row's part
             mask = parts.view(-1, 1) == torch.arange(self.parts).view(1, -1)
             self.register_buffer("part_mask", mask.to(device), persistent=False)
+
+    @staticmethod
+    def shapes(target: TargetSpec, num_slots: int, max_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """This TP rank's ``lora_A`` and ``lora_B`` shapes for ``target``."""
+        in_local = _local(target.in_features, target.a_kind, dim_is_split=True)
+        out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
+        return (num_slots, target.num_parts, max_rank, in_local), (num_slots, out_local, max_rank)
 
     def _a(self, slots: int | torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """``[parts*rank, in]`` (or ``[S, parts*rank, in]`` for a tensor of slots): every part's
@@ -406,6 +418,66 @@ class SlotTensor:
         return None if self.param.grad is None else self.param.grad[self.index]
 
 
+# A parameter that is a view of the rows has gaps between its slots, and autograd's layout
+# contract asks such a parameter's .grad to be contiguous; accumulating into the rows in place is
+# what is wanted here, so its one-time notice is noise in the trainer's log.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+
+ROW_ALIGN = 64
+"""Every entry of a ``PooledRows`` row starts at a multiple of this many floats (256 bytes)."""
+
+
+class PooledRows:
+    """Every adapter tensor of a pool as columns of two slot-major fp32 buffers, ``values`` and
+    ``grads`` (``[slots, width]``): slot ``s``'s part of every parameter lies in row ``s``.
+
+    Each parameter is the view ``values[:, offset : offset + n]`` reshaped to its own shape, and
+    its ``.grad`` the same view of ``grads``, set before any backward, so autograd accumulates
+    into it in place. One slot's whole state is then one contiguous row, and ``SlotAdamW`` norms,
+    clips, zeroes and updates a slot (or a run of consecutive slots) as one tensor instead of one
+    per parameter: a few launches and host microseconds however many tensors a slot has.
+
+    Columns of TP-sharded tensors come first, ``[0, sharded)``, replicated ones after (a
+    gradient norm sums the first over TP ranks and counts the second once). Entries start at
+    multiples of ``ROW_ALIGN`` floats; the gaps, like every entry a slot does not train (a rank
+    below the pool's, a disabled module), hold zeros that stay zero (no gradient reaches them).
+    """
+
+    def __init__(self, entries: list[tuple[str, tuple[int, ...], bool]], device: str | torch.device) -> None:
+        """``entries``: (name, shape ``[slots, ...]``, TP-sharded) of every tensor."""
+        self.num_slots = entries[0][1][0]
+        self.offsets: dict[str, tuple[int, int]] = {}
+        width = self.sharded = 0
+        for name, shape, sharded in sorted(entries, key=lambda e: not e[2]):  # sharded first, stable
+            n = math.prod(shape[1:])
+            self.offsets[name] = (width, n)
+            width += -(-n // ROW_ALIGN) * ROW_ALIGN
+            if sharded:
+                self.sharded = width
+        self.width = width
+        self.values = torch.zeros(self.num_slots, width, device=device)
+        self.grads = torch.zeros_like(self.values)
+        self.params: dict[str, nn.Parameter] = {}
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def view(self, buffer: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Entry ``name`` of ``buffer`` (``[slots, width]``, laid out like ``values``) as ``shape``."""
+        offset, n = self.offsets[name]
+        return buffer[:, offset : offset + n].view(shape)
+
+    def parameter(self, name: str, shape: tuple[int, ...]) -> nn.Parameter:
+        param = nn.Parameter(self.view(self.values, name, shape))
+        param.grad = self.view(self.grads, name, shape)
+        self.params[name] = param
+        self._grads.append((param, param.grad))
+        return param
+
+    def intact(self) -> bool:
+        """Whether every parameter's ``.grad`` is still its view of ``grads`` (code that sets a
+        ``.grad`` of its own, or to None, takes that parameter's gradient out of the rows)."""
+        return all(param.grad is grad for param, grad in self._grads)
+
+
 class AdapterPool(nn.Module):
     """All slot adapters of one model, their routing, and each slot's configuration."""
 
@@ -415,8 +487,17 @@ class AdapterPool(nn.Module):
         self.max_rank = max_rank
         self.routing = SlotRouting()
         self.targets = adapter_targets(shape)
+        entries: list[tuple[str, tuple[int, ...], bool]] = []
+        for t in self.targets:
+            a_shape, b_shape = SlotAdapter.shapes(t, num_slots, max_rank)
+            entries.append((f"{t.path}.lora_A", a_shape, t.a_kind is not ShardKind.REPLICATED))
+            entries.append((f"{t.path}.lora_B", b_shape, t.b_kind is not ShardKind.REPLICATED))
+        self.rows = PooledRows(entries, device)
         self.adapters = nn.ModuleDict(
-            {_key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, device) for t in self.targets}
+            {
+                _key(t.path): SlotAdapter(t, shape, num_slots, max_rank, self.routing, device, self.rows)
+                for t in self.targets
+            }
         )
         self._handles: list[Any] = []
         # slot -> (the config its tensors were listed for, the list): see slot_tensors
@@ -463,12 +544,8 @@ class AdapterPool(nn.Module):
         """Zero the slot's tensors and gradients and forget its config."""
         self._check_slot(slot)
         with torch.no_grad():
-            for module in self.adapters.values():
-                assert isinstance(module, SlotAdapter)
-                for p in (module.lora_A, module.lora_B):
-                    p.data[slot].zero_()
-                    if p.grad is not None:
-                        p.grad[slot].zero_()
+            self.rows.values[slot].zero_()
+            self.rows.grads[slot].zero_()
         self.routing.configs.pop(slot, None)
 
     def slot_tensors(self, slot: int) -> list[SlotTensor]:

@@ -16,7 +16,10 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
     report applied=False
 
 Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
-``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
+``_foreach_norm`` over all of their gradients and one host sync. The engine's pool keeps every
+slot's tensors as one row of slot-major buffers (``lora.PooledRows``); given them (``rows``), a
+fused step norms, clips, zeroes and updates each slot as its whole row (``_RowPlan``), a few
+tensors per call instead of a few hundred per slot. Otherwise, on CUDA (or with ``fused=True``)
 the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
 hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. Slots that train
 whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: one tensor
@@ -52,7 +55,7 @@ import torch
 
 from libs.contracts.common import AdamParams
 from services.trainer.convert import ShardKind
-from services.trainer.lora import SlotTensor
+from services.trainer.lora import PooledRows, SlotTensor
 from services.trainer.parallel import tp_all_reduce_sum
 
 
@@ -111,16 +114,50 @@ class _Layout:
     runs: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
 
 
+@dataclass
+class _RowPlan:
+    """A fused step of one slot over its whole rows of ``PooledRows`` (values, grads, moments).
+
+    Exact: every entry of the row that the slot does not train is zero in all four (the pool
+    zeroes a slot's row when it is loaded or cleared, ``reset_slot`` its moments, no gradient
+    reaches those entries), and an AdamW step with eps > 0 (which every fused step has) leaves
+    zeros zero; the kernel is elementwise, so the trained entries get the bits a per-tensor call
+    gives them. The gradient norm is one ``_foreach_norm`` entry per row part (TP-sharded
+    columns, replicated columns) instead of one per tensor."""
+
+    rows: PooledRows
+    exp_avg: torch.Tensor  # [slots, width]
+    exp_avg_sq: torch.Tensor
+    slot: int
+
+    def grad_parts(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """The row's gradient as (sharded columns, replicated columns), empty parts left out."""
+        g, cut = self.rows.grads[self.slot], self.rows.sharded
+        parts = [(g[:cut], True), (g[cut:], False)]
+        kept = [(t, sharded) for t, sharded in parts if t.numel()]
+        return [t for t, _ in kept], [sharded for _, sharded in kept]
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.rows.values[self.slot], self.exp_avg[self.slot], self.exp_avg_sq[self.slot]
+
+
 class SlotAdamW:
     """AdamW moments and step counters for every slot, keyed by tensor name then slot."""
 
-    def __init__(self, fused: bool | None = None) -> None:
+    def __init__(self, fused: bool | None = None, rows: PooledRows | None = None) -> None:
         """``fused``: use ``torch._fused_adamw_`` where the step is provably finite; ``None``
         means on CUDA tensors only (the CPU default stays bit-equal to torch.optim.AdamW's
-        default single-tensor path)."""
+        default single-tensor path). ``rows``: the pool's ``PooledRows``; the moments of its
+        tensors are laid out like it, and a fused step of a slot whose tensors are all in it
+        works on the slot's whole rows (see ``_RowPlan``)."""
         self.fused = fused
+        self.rows = rows
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        self.exp_avg_rows: torch.Tensor | None = None  # [slots, width] like rows.values
+        self.exp_avg_sq_rows: torch.Tensor | None = None
+        self._in_rows: dict[int, tuple[list[SlotTensor], bool]] = {}  # slot -> (its tensors, all in rows)
+        self._masks: dict[tuple[tuple[bool, ...], torch.device], torch.Tensor] = {}
         self.steps: dict[int, int] = {}
         self._cached: dict[int, _SlotViews] = {}
         self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
@@ -131,16 +168,46 @@ class SlotAdamW:
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
         if tensor.name not in self.exp_avg:
-            self.exp_avg[tensor.name] = torch.zeros_like(tensor.param.data)
-            self.exp_avg_sq[tensor.name] = torch.zeros_like(tensor.param.data)
+            rows = self.rows
+            if rows is not None and rows.params.get(tensor.name) is tensor.param:
+                if self.exp_avg_rows is None or self.exp_avg_sq_rows is None:
+                    self.exp_avg_rows = torch.zeros_like(rows.values)
+                    self.exp_avg_sq_rows = torch.zeros_like(rows.values)
+                shape = tuple(tensor.param.shape)
+                self.exp_avg[tensor.name] = rows.view(self.exp_avg_rows, tensor.name, shape)
+                self.exp_avg_sq[tensor.name] = rows.view(self.exp_avg_sq_rows, tensor.name, shape)
+            else:
+                self.exp_avg[tensor.name] = torch.zeros_like(tensor.param.data)
+                self.exp_avg_sq[tensor.name] = torch.zeros_like(tensor.param.data)
         return self.exp_avg[tensor.name][tensor.index], self.exp_avg_sq[tensor.name][tensor.index]
 
     def reset_slot(self, slot: int) -> None:
         self._bounds.pop(slot, None)  # the slot's values are about to be replaced
+        if self.exp_avg_rows is not None and self.exp_avg_sq_rows is not None:
+            self.exp_avg_rows[slot].zero_()
+            self.exp_avg_sq_rows[slot].zero_()
         for table in (self.exp_avg, self.exp_avg_sq):
-            for full in table.values():
-                full[slot].zero_()
+            for name, full in table.items():
+                if self.rows is None or name not in self.rows.params:
+                    full[slot].zero_()
         self.steps.pop(slot, None)
+
+    def _row_plan(self, slot: int, tensors: list[SlotTensor]) -> _RowPlan | None:
+        """The slot's whole-row plan when every one of its tensors lies in ``self.rows``."""
+        rows = self.rows
+        if rows is None or not tensors:
+            return None
+        cached = self._in_rows.get(slot)
+        if cached is None or cached[0] is not tensors:
+            inside = all(rows.params.get(t.name) is t.param for t in tensors)
+            if inside:
+                for t in tensors:  # the row moments, allocated on first use
+                    self.moments(t)
+            cached = self._in_rows[slot] = (tensors, inside)
+        if not cached[1]:
+            return None
+        assert self.exp_avg_rows is not None and self.exp_avg_sq_rows is not None
+        return _RowPlan(rows, self.exp_avg_rows, self.exp_avg_sq_rows, slot)
 
     def _refresh(self, layout: _Layout) -> int:
         """The layout's epoch, after comparing its parameters' ``.grad`` with the last seen
@@ -283,29 +350,45 @@ class SlotAdamW:
         views = [self._views(slot, tensors) for slot, tensors, _ in requests]
         presents = [[g for g in v.grads if g is not None] for v in views]
         device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
+        fusing = self.fused if self.fused is not None else device.type == "cuda"
+        by_rows = fusing and self.rows is not None and self.rows.intact()
+        plans = [self._row_plan(slot, tensors) if by_rows else None for slot, tensors, _ in requests]
         fused = [
-            (self.fused if self.fused is not None else device.type == "cuda") and v.dense and bool(v.values)
-            for v in views
+            fusing and bool(v.values) and (v.dense or p is not None) for v, p in zip(views, plans, strict=True)
         ]
         known = [
             self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
         ]
         measure = [f and b is None for f, b in zip(fused, known, strict=True)]
-        norms, measured = _norms_and_peaks(views, presents, measure, device)
+        norm_grads: list[list[torch.Tensor]] = []
+        norm_masks: list[torch.Tensor | None] = []
+        states: list[tuple[list[torch.Tensor], ...] | None] = []
+        for v, present, plan, m in zip(views, presents, plans, measure, strict=True):
+            if plan is not None:
+                parts, sharded = plan.grad_parts()
+                norm_grads.append(parts)
+                norm_masks.append(self._mask(tuple(sharded), device))
+                states.append(tuple([t] for t in plan.state()) if m else None)
+            else:
+                norm_grads.append(present)
+                norm_masks.append(v.sharded)
+                states.append((v.values, v.exp_avg, v.exp_avg_sq) if m else None)
+        norms, measured = _norms_and_peaks(norm_grads, norm_masks, states, device)
         peaks = [b if b is not None else m for b, m in zip(known, measured, strict=True)]
         reports: dict[int, StepReport] = {}
         groups: dict[tuple[float, float, float, float, float, int], list[int]] = {}
         for i, ((slot, tensors, hp), v, present) in enumerate(zip(requests, views, presents, strict=True)):
             norm = norms[i]
+            grads = norm_grads[i]  # the slot's gradient, as one or more tensors
             if not math.isfinite(norm):
-                _zero(present)
+                _zero(grads)
                 reports[slot] = StepReport(
                     False, norm, self.steps.get(slot, 0), f"non-finite gradient norm ({norm})"
                 )
                 continue
             coef = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
-            if coef != 1.0 and present:  # a product by 1.0 is exact: skipping it changes no bit
-                torch._foreach_mul_(present, coef)
+            if coef != 1.0 and grads:  # a product by 1.0 is exact: skipping it changes no bit
+                torch._foreach_mul_(grads, coef)
             step = self.steps.get(slot, 0) + 1
             if fused[i] and _fused_step_is_safe(hp, step, norm * coef, *peaks[i]):
                 self.steps[slot] = step
@@ -318,18 +401,22 @@ class SlotAdamW:
                 reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
         for (lr, beta1, beta2, eps, wd, step), members in groups.items():
             params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
+            grads_: list[torch.Tensor] = []
             exp_avg: list[torch.Tensor] = []
             exp_avg_sq: list[torch.Tensor] = []
             to_zero: list[torch.Tensor] = []
             pooled: dict[int, tuple[_Layout, list[int]]] = {}
+            in_rows: list[int] = []
             for i in members:
                 v = views[i]
+                if plans[i] is not None:
+                    in_rows.append(requests[i][0])
+                    continue
                 if v.layout is not None and v.layout.poolable:
                     pooled.setdefault(id(v.layout), (v.layout, []))[1].append(requests[i][0])
                     continue
                 params += v.values
-                grads += [
+                grads_ += [
                     torch.zeros_like(p) if g is None else g for p, g in zip(v.values, v.grads, strict=True)
                 ]
                 exp_avg += v.exp_avg
@@ -339,15 +426,24 @@ class SlotAdamW:
                 for start, stop in _runs(slots):
                     run = self._run_views(layout, start, stop)
                     params += run[0]
-                    grads += run[1]
+                    grads_ += run[1]
                     exp_avg += run[2]
                     exp_avg_sq += run[3]
                     to_zero += run[1]
+            if in_rows:
+                rows, m_rows, v_rows = self.rows, self.exp_avg_rows, self.exp_avg_sq_rows
+                assert rows is not None and m_rows is not None and v_rows is not None
+                for start, stop in _runs(in_rows):  # one tensor per run of consecutive slots
+                    params.append(rows.values[start:stop])
+                    grads_.append(rows.grads[start:stop])
+                    exp_avg.append(m_rows[start:stop])
+                    exp_avg_sq.append(v_rows[start:stop])
+                    to_zero.append(rows.grads[start:stop])
             counter = torch.full((), float(step), dtype=torch.float32, device=device)
             with torch.no_grad():
                 torch._fused_adamw_(
                     params,
-                    grads,
+                    grads_,
                     exp_avg,
                     exp_avg_sq,
                     [],
@@ -362,6 +458,14 @@ class SlotAdamW:
                 )
             _zero(to_zero)
         return reports
+
+    def _mask(self, sharded: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+        """A (cached) device tensor of ``sharded``, the TP mask of a row plan's gradient parts."""
+        key = (sharded, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._masks[key] = torch.tensor(sharded, dtype=torch.bool, device=device)
+        return mask
 
     def _checked_step(
         self,
@@ -506,47 +610,50 @@ def _fused_step_is_safe(
 
 
 def _norms_and_peaks(
-    views: list[_SlotViews], presents: list[list[torch.Tensor]], fused: list[bool], device: torch.device
+    grads: list[list[torch.Tensor]],
+    sharded: list[torch.Tensor | None],
+    states: list[tuple[list[torch.Tensor], ...] | None],
+    device: torch.device,
 ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Each slot's gradient norm (as ``_grad_norm``: the same fp64 kernel, its sums masked rather
-    than indexed) and, for the slots in ``fused``, the largest |p|, |m| and v, all-reduced over TP (a sum of the ranks'
-    maxima: an upper bound, equal on every rank) and read back with one host sync."""
-    all_grads = [g for present in presents for g in present]
+    than indexed) from its gradient tensors ``grads[i]`` (``sharded[i]``: which are TP-sharded)
+    and, for the slots with ``states[i]`` (values, exp_avg, exp_avg_sq lists), the largest |p|,
+    |m| and v, all-reduced over TP (a sum of the ranks' maxima: an upper bound, equal on every
+    rank) and read back with one host sync."""
+    all_grads = [g for slot_grads in grads for g in slot_grads]
     squares = _vector(torch._foreach_norm(all_grads, 2, dtype=torch.float64)) ** 2 if all_grads else None
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sharded_sums, replicated_sums = [], []
     offset = 0
-    for v, present in zip(views, presents, strict=True):
-        if present:
-            assert squares is not None and v.sharded is not None
-            part = squares[offset : offset + len(present)]  # masked sums: no host sync (no nonzero)
-            sharded_sums.append(torch.where(v.sharded, part, 0.0).sum())
-            replicated_sums.append(torch.where(v.sharded, 0.0, part).sum())
-            offset += len(present)
+    for slot_grads, mask in zip(grads, sharded, strict=True):
+        if slot_grads:
+            assert squares is not None and mask is not None
+            part = squares[offset : offset + len(slot_grads)]  # masked sums: no host sync (no nonzero)
+            sharded_sums.append(torch.where(mask, part, 0.0).sum())
+            replicated_sums.append(torch.where(mask, 0.0, part).sum())
+            offset += len(slot_grads)
         else:
             sharded_sums.append(zero)
             replicated_sums.append(zero)
     columns = [torch.stack(sharded_sums)]
-    state = [
-        t for v, f in zip(views, fused, strict=True) if f for t in (*v.values, *v.exp_avg, *v.exp_avg_sq)
-    ]
+    state = [t for st in states if st is not None for table in st for t in table]
     if state:
         peaks_all = _vector(torch._foreach_norm(state, float("inf"))).to(torch.float64)
         peaks, offset = [], 0
-        for v, f in zip(views, fused, strict=True):
-            n = len(v.values)
-            if f:
+        for st in states:
+            if st is not None:
+                n = len(st[0])
                 block = peaks_all[offset : offset + 3 * n].view(3, n)
                 peaks.append(block.amax(dim=1))
                 offset += 3 * n
             else:
                 peaks.append(torch.zeros(3, dtype=torch.float64, device=device))
         columns.append(torch.stack(peaks).T)
-    reduced = torch.cat([c.reshape(-1, len(views)) for c in columns])
+    n = len(grads)
+    reduced = torch.cat([c.reshape(-1, n) for c in columns])
     tp_all_reduce_sum(reduced)
     norms_t = torch.sqrt(reduced[0] + torch.stack(replicated_sums))
     values = torch.cat([norms_t, reduced[1:].reshape(-1)]).tolist()
-    n = len(views)
     norms = values[:n]
     rest = values[n:]
     out_peaks = [(rest[i], rest[n + i], rest[2 * n + i]) if state else (0.0, 0.0, 0.0) for i in range(n)]

@@ -354,3 +354,55 @@ def test_pooled_rows_are_clipped_by_each_slots_own_norm_as_when_stepped_alone(de
                 )
         for t, before in zip(_tensors(pools[0], 4, rank), pending, strict=True):
             assert torch.equal(_bits(t.grad()), before), t.name  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pooled_rows_step_equals_torch_fused_adamw_per_slot(device: str) -> None:
+    """Parameters laid out as a pool's ``PooledRows`` (pool rank 16): slots 0 (rank 16) and 2
+    (rank 8, clipped) stepped in one call, three times, whole rows at a time. Each slot's trained
+    entries equal torch.optim.AdamW(fused=True) on copies of them (bit for bit unclipped, within the
+    clip coefficient's rounding clipped), every entry it does not train stays exactly zero, its
+    gradient row is zero after each step, and slot 1's row is untouched."""
+    from services.trainer.lora import PooledRows
+
+    pool_rank, slots = 16, 3
+    shapes = [(slots, pool_rank, 64), (slots, 96, pool_rank), (slots, pool_rank, 48), (slots, 64, pool_rank)]
+    rows = PooledRows([(f"t{i}", s, i % 2 == 0) for i, s in enumerate(shapes)], device)
+    params = [rows.parameter(f"t{i}", s) for i, s in enumerate(shapes)]
+    ranks = {0: 16, 1: 16, 2: 8}
+    gen = torch.Generator(device=device).manual_seed(5)
+    with torch.no_grad():
+        for s, r in ranks.items():
+            for t in _tensors(params, s, r):
+                t.value().copy_(torch.randn(t.value().shape, generator=gen, device=device) * 0.1)
+    hps = {
+        0: AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1),
+        2: AdamParams(learning_rate=3e-3, weight_decay=0.01, grad_clip_norm=0.05),
+    }
+    refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, ranks[s])] for s in hps}
+    ref_opts = _torch_fused_adamw(refs, hps)
+    untouched = rows.values[1].clone()
+    opt = SlotAdamW(fused=True, rows=rows) if device == "cpu" else SlotAdamW(rows=rows)
+    for step in range(1, 4):
+        for s in hps:
+            for r, g in zip(refs[s], _set_grads(params, s, ranks[s], gen, 1e-2), strict=True):
+                r.grad = g.clone()
+        reports = opt.step_many([(s, _tensors(params, s, ranks[s]), hp) for s, hp in hps.items()])
+        for s, hp in hps.items():
+            clip = hp.grad_clip_norm if hp.grad_clip_norm > 0 else math.inf
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(refs[s], clip, foreach=True))
+            ref_opts[s].step()
+            assert reports[s].applied and reports[s].step == step, (s, reports[s])
+            assert math.isclose(reports[s].grad_norm, ref_norm, rel_tol=1e-6), (s, reports[s].grad_norm, ref_norm)
+            trained = torch.zeros(rows.width, dtype=torch.bool, device=device)
+            for t, r in zip(_tensors(params, s, ranks[s]), refs[s], strict=True):
+                mask = rows.view(trained[None].expand(slots, -1), t.name, tuple(t.param.shape))
+                mask[t.index] = True  # type: ignore[index]
+                if hp.grad_clip_norm > 0:
+                    bound = step * 8 * 2.0**-24 * (r.detach().abs() + hp.learning_rate / math.sqrt(1 - hp.beta2))
+                    assert bool(((t.value() - r.detach()).abs() <= bound).all()), (s, t.name)
+                else:
+                    assert torch.equal(t.value(), r.detach()), (s, t.name)
+            assert int(torch.count_nonzero(rows.values[s][~trained])) == 0, f"slot {s}: an untrained entry moved"
+            assert int(torch.count_nonzero(rows.grads[s])) == 0, f"slot {s}: gradients left after the step"
+    assert torch.equal(rows.values[1], untouched)
