@@ -428,7 +428,8 @@ def stepped_pool(model_shape: Any, slots: int, rank: int, device: str = "cpu") -
     with torch.no_grad():
         for p in pool.parameters():
             p.normal_(0.0, 0.01)
-            p.grad.normal_(0.0, 1e-3)  # in place: the grads are views of the pool's rows
+            assert p.grad is not None  # in place: the grads are views of the pool's rows
+            p.grad.normal_(0.0, 1e-3)
     for s in range(slots):
         pool.routing.configs[s] = LoraConfig(rank=rank, seed=s)
     return pool

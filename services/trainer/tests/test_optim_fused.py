@@ -372,8 +372,8 @@ def test_pooled_rows_step_equals_torch_fused_adamw_per_slot(device: str) -> None
     ranks = {0: 16, 1: 16, 2: 8}
     gen = torch.Generator(device=device).manual_seed(5)
     with torch.no_grad():
-        for s, r in ranks.items():
-            for t in _tensors(params, s, r):
+        for s, rank in ranks.items():
+            for t in _tensors(params, s, rank):
                 t.value().copy_(torch.randn(t.value().shape, generator=gen, device=device) * 0.1)
     hps = {
         0: AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1),
