@@ -80,16 +80,23 @@ def rms_norm_torch(
 
 
 def lora_expand_torch(
-    y: torch.Tensor, out: int, b: torch.Tensor, slots: torch.Tensor, bounds: list[int]
+    y: torch.Tensor,
+    out: int,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    bounds: list[int],
+    r_total: int | None = None,
 ) -> torch.Tensor:
     """``y[..., :out]`` plus each row's LoRA term, for the folded projection's output ``y``
-    (k, T, out + slots * R) of ``k`` rows with slots ``slots`` (k,), -1: none (a new tensor).
+    (k, T, out + span * R) of ``k`` rows with slots ``slots`` (k,), -1: none (a new tensor).
 
     ``bounds``: the members' output offsets plus ``out`` (``[0, 4096, 5120, 6144]`` for q/k/v).
+    ``r_total``: R, the columns of one slot (by default ``y`` holds every slot of ``b``).
     """
     n_slots, _, rank = b.shape
     index = slots.clamp(min=0)
-    shrunk = y[..., out:].unflatten(-1, (n_slots, -1))  # (k, T, slots, R): every slot's x A^T
+    width = r_total if r_total is not None else (y.shape[-1] - out) // n_slots
+    shrunk = y[..., out:].unflatten(-1, (-1, width))  # (k, T, span, R): every slot's x A^T
     h = shrunk[torch.arange(len(slots), device=y.device), :, index]  # (k, T, R): the row's own slot
     parts = []
     for j, (lo, hi) in enumerate(itertools.pairwise(bounds)):
@@ -373,16 +380,21 @@ def add_lora(
     slots: torch.Tensor,
     bounds: list[int],
     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    r_total: int | None = None,
 ) -> torch.Tensor:
-    """The base columns of a folded projection's output ``y`` (B, out + slots * R) plus each
+    """The base columns of a folded projection's output ``y`` (B, out + span * R) plus each
     row's LoRA term: ``y[:, :out]`` updated in place on the Triton path (a strided view), a new
-    tensor on the torch path. ``groups``: ``group_rows(slots, b.shape[0])``, when the caller has
-    it already."""
+    tensor on the torch path. ``span``: the slots whose ``x A^T`` columns ``y`` holds (the
+    first ``span`` of ``b``'s; every row's slot is below it). ``r_total``: the columns of one
+    slot (R; by default ``y`` holds every slot). ``groups``: ``group_rows(slots, b.shape[0])``,
+    when the caller has it already."""
     if not use_triton(y):
-        return lora_expand_torch(y[:, None, :], out, b, slots, bounds)[:, 0, :]
+        return lora_expand_torch(y[:, None, :], out, b, slots, bounds, r_total)[:, 0, :]
     nrows = y.shape[0]
-    n_slots, _, rank = b.shape
-    r_total = (y.shape[1] - out) // n_slots
+    _, _, rank = b.shape
+    if r_total is None:
+        r_total = (y.shape[1] - out) // b.shape[0]
+    n_slots = (y.shape[1] - out) // r_total  # the span: slots at or above it have no rows here
     sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
     cuts = [*bounds[1:-1], out, out][:2]
     order, starts = groups if groups is not None else group_rows(slots, n_slots)

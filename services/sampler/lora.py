@@ -345,15 +345,18 @@ class LoRAPool:
         return None
 
     def acquire(self, adapter: LoadedAdapter, busy: set[int]) -> int:
-        """The slot holding ``adapter``, loading it into a free or least recently used slot
-        outside ``busy`` (slots that running rows use).  Raises ``RuntimeError`` if none is free."""
+        """The slot holding ``adapter``, loading it into the lowest empty slot, else the least
+        recently used one outside ``busy`` (slots that running rows use).  Raises
+        ``RuntimeError`` if none is free. Low slots first keep a step's slot span short (the
+        static engine's GEMMs read the ``A`` rows of slots below the highest one in use)."""
         self._clock += 1
         slot = self.slot_of(adapter)
         if slot is None:
             free = [s for s in range(self.slots) if s not in busy]
             if not free:
                 raise RuntimeError("every LoRA slot is in use by running rows")
-            slot = min(free, key=lambda s: (self._owner[s] is not None, self._used[s]))
+            empty = [s for s in free if self._owner[s] is None]
+            slot = min(empty) if empty else min(free, key=lambda s: self._used[s])
             self._load(slot, adapter)
         self._used[slot] = self._clock
         return slot

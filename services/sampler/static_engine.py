@@ -23,8 +23,11 @@ registry, and replaces its forward passes:
   a step over any mix of adapters has fixed shapes and no row sees another slot.  A row waits
   for admission while every slot is held by other running adapters.
 * **CUDA graphs.**  On CUDA each decode step replays a graph captured for its (batch bucket,
-  cache-length bucket): batch padded to a power of two up to ``max_batch_size``, attention
-  window to a power of two from 256 up to ``context_length``.  The host uploads three small
+  cache-length bucket, slot span): batch padded to a power of two up to ``max_batch_size``,
+  attention window to a power of two from 256 up to ``context_length``, and the slots whose
+  ``A`` rows the GEMMs read: none for a step without adapters (the base rows alone, no LoRA
+  kernels), else the first 1, 2, 4, ... slots up to the highest slot in use (the pool hands out
+  low slots first).  The host uploads three small
   vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of greedy tokens
   and their logprobs, computed inside the graph: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
   use their own seeded ``torch.Generator`` on the device (``sampling.choose_token_tensor``).
@@ -189,7 +192,8 @@ class StaticCacheEngine(HFEngine):
             self._arange = torch.arange(self._max_batch, device=self.device)
         self._batch_buckets = _buckets(self._max_batch, 1)
         self._window_buckets = _buckets(self._context, min(MIN_WINDOW, self._context))
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._span_buckets = _buckets(self._pool.slots, 1)
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._graph_pool: Any = None
         self.graphs_captured = 0
         self._use_graphs = self.device.type == "cuda" and self.config.cuda_graphs
@@ -293,12 +297,20 @@ class StaticCacheEngine(HFEngine):
         x: torch.Tensor,
         slots: torch.Tensor,
         groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+        span: int | None = None,
     ) -> torch.Tensor:
         """Rows ``x`` (B, in) through ``p``, each row with its own LoRA slot (``groups``: the
-        rows grouped by slot, ``ops.group_rows``, shared by a step's projections). On CUDA the
-        result is a view of the folded GEMM's output (rows strided)."""
-        y = F.linear(x, p.weight, p.bias)
-        return ops.add_lora(y, p.out, p.lora.b, slots, p.lora.bounds, groups)
+        rows grouped by slot, ``ops.group_rows``, shared by a step's projections). ``span``:
+        every row's slot is below it, so the GEMM reads the ``A`` rows of the first ``span``
+        slots only (None: all; 0: the base rows alone, and no LoRA term). On CUDA the result is
+        a view of the folded GEMM's output (rows strided)."""
+        r_total = p.lora.a.shape[1]
+        rows = p.weight.shape[0] if span is None else p.out + span * r_total
+        bias = None if p.bias is None else p.bias[:rows]
+        y = F.linear(x, p.weight[:rows], bias)
+        if span == 0:
+            return y
+        return ops.add_lora(y, p.out, p.lora.b, slots, p.lora.bounds, groups, r_total)
 
     @staticmethod
     def _project_seq(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -311,13 +323,21 @@ class StaticCacheEngine(HFEngine):
         slots: torch.Tensor,
         residual: torch.Tensor | None = None,
         groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+        span: int | None = None,
     ) -> torch.Tensor:
         """fp32 logits (N, V) of final hidden states ``hidden + residual`` (N, H), before the norm."""
         h, _ = ops.rms_norm(hidden, cast(torch.Tensor, self._norm.weight), self._eps, residual)
-        return self._project(self._head, h, slots, groups).float()
+        return self._project(self._head, h, slots, groups, span).float()
 
-    def _decode_forward(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
-        """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes).
+    def slot_span(self, slots: list[int]) -> int:
+        """The span bucket of a step whose rows use ``slots`` (-1: none): 0 without adapters,
+        else the highest slot plus one, rounded up to a power of two (at most the pool's)."""
+        top = max(slots, default=-1) + 1
+        return 0 if top == 0 else _bucket(top, self._span_buckets)
+
+    def _decode_forward(self, b: int, window: int, span: int | None = None) -> tuple[torch.Tensor, ...]:
+        """One decode step of rows ``[0, b)`` over cache columns ``[0, window)`` (static shapes),
+        every row's slot below ``span`` (``_project``; None: any slot).
 
         Returns fp32 logits (b, V), the greedy token of each row, and (2, b) float64: the
         greedy tokens and their logprobs (temperature 1), the one tensor a greedy step reads."""
@@ -326,21 +346,21 @@ class StaticCacheEngine(HFEngine):
         cos, sin = self._rotary(x[:, None], positions[:, None])
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # (b, D)
         lengths = positions + 1
-        groups = ops.group_rows(slots, self._pool.slots) if ops.use_triton(x) else None
+        groups = ops.group_rows(slots, self._pool.slots) if ops.use_triton(x) and span != 0 else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self._fused):
             h, x = ops.rms_norm(x, layer.input_norm, self._eps, residual)
-            qkv = self._project(layer.qkv, h, slots, groups)
+            qkv = self._project(layer.qkv, h, slots, groups, span)
             q = ops.qk_rope_cache(
                 qkv, layer.q_norm, layer.k_norm, self._eps, cos, sin, self._k[i], self._v[i],
                 positions, self._heads, self._kv_heads,
             )  # fmt: skip
             o = ops.decode_attention(q, self._k[i], self._v[i], lengths, self._scale, window)
-            o = self._project(layer.o, o.reshape(b, -1), slots, groups)
+            o = self._project(layer.o, o.reshape(b, -1), slots, groups, span)
             h, x = ops.rms_norm(x, layer.post_norm, self._eps, o)
-            act = ops.silu_mul(self._project(layer.gate_up, h, slots, groups))
-            residual = self._project(layer.down, act, slots, groups)
-        return self._greedy_outputs(self._unembed(x, slots, residual, groups))
+            act = ops.silu_mul(self._project(layer.gate_up, h, slots, groups, span))
+            residual = self._project(layer.down, act, slots, groups, span)
+        return self._greedy_outputs(self._unembed(x, slots, residual, groups, span))
 
     @staticmethod
     def _greedy_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,18 +368,19 @@ class StaticCacheEngine(HFEngine):
         picked = logits.gather(1, greedy[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         return logits, greedy, torch.stack([greedy.double(), picked.double()])
 
-    def _step_outputs(self, b: int, window: int) -> tuple[torch.Tensor, ...]:
+    def _step_outputs(self, b: int, window: int, span: int | None = None) -> tuple[torch.Tensor, ...]:
+        span = self._pool.slots if span is None else span
         if not self._use_graphs:
-            return self._decode_forward(b, window)
-        key = (b, window)
+            return self._decode_forward(b, window, span)
+        key = (b, window, span)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(b, window)
+            graph = self._capture(b, window, span)
             self._graphs[key] = graph
         graph.graph.replay()
         return graph.outputs
 
-    def _capture(self, b: int, window: int) -> _Graph:
+    def _capture(self, b: int, window: int, span: int) -> _Graph:
         """Warm up on a side stream, then capture (both compute exactly this step's inputs)."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -367,11 +388,11 @@ class StaticCacheEngine(HFEngine):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_forward(b, window)
+                self._decode_forward(b, window, span)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            outputs = self._decode_forward(b, window)
+            outputs = self._decode_forward(b, window, span)
         self.graphs_captured += 1
         return _Graph(graph, outputs)
 
@@ -473,7 +494,7 @@ class StaticCacheEngine(HFEngine):
         host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
         host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
         self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        logits, greedy, packed = self._step_outputs(b, window)
+        logits, greedy, packed = self._step_outputs(b, window, self.slot_span(self._slot))
         tokens, values, tops = self._choose(self._rows, logits[:n], greedy[:n], packed[:, :n])
         keep: list[int] = []
         for i, row in enumerate(self._rows):

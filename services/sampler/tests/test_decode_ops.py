@@ -53,13 +53,15 @@ def test_cuda_rms_norm_with_residual_matches_float64(batch: int) -> None:
 
 @cuda
 @pytest.mark.parametrize(
-    ("batch", "slots_used"), [(1, 1), (5, 3), (8, 8), (16, 5), (17, 5), (64, 8), (64, 3)]
+    ("batch", "slots_used", "span"),
+    [(1, 1, 8), (5, 3, 8), (8, 8, 8), (16, 5, 8), (17, 5, 8), (64, 8, 8), (64, 3, 8), (1, 1, 1), (64, 3, 4)],
 )
-def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slots_used: int) -> None:
+def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slots_used: int, span: int) -> None:
     """q/k/v-shaped group: 8 slots of rank 32, their ``A`` folded under the base weight; rows use
     ``slots_used`` of them, some rows none. The unused slots hold NaN: no output row may see them.
     The kernel takes a slot's rows in tiles of ``GROUP_ROWS``: 16 and 17 rows of 5 slots and 64
-    rows of 3 fill one tile or several."""
+    rows of 3 fill one tile or several. ``span`` < 8: the GEMM reads only the first ``span``
+    slots' ``A`` rows (the engine's step whose rows all use lower slots)."""
     n_slots, rank, k_in, bounds = 8, 32, 4096, [0, 4096, 5120, 6144]
     out = bounds[-1]
     w = rnd(out, k_in, scale=k_in**-0.5)
@@ -70,9 +72,9 @@ def test_cuda_lora_matches_float64_and_rows_read_only_their_slot(batch: int, slo
     unused = [s for s in range(n_slots) if s not in set(slots.tolist())]
     a[unused], b[unused] = float("nan"), float("nan")
     x = rnd(batch, k_in)
-    folded = torch.nn.functional.linear(x, torch.cat([w, a.flatten(0, 1)]))  # (batch, out + slots * 3r)
+    folded = torch.nn.functional.linear(x, torch.cat([w, a[:span].flatten(0, 1)]))  # (batch, out + span * 3r)
     base = folded[:, :out].clone()
-    y = ops.add_lora(folded, out, b, slots, bounds)
+    y = ops.add_lora(folded, out, b, slots, bounds, r_total=3 * rank)
     ref = x.double() @ w.double().t()
     for i, slot in enumerate(slots.tolist()):  # row by row, its own slot's A and B in float64
         if slot >= 0:
