@@ -309,10 +309,14 @@ class SlotAdapter(nn.Module):
             scale = scale.to(b.dtype).view(-1, 1, 1)
         return block_diagonal((b * scale).to(dtype), self.part_mask)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA update for the packed activations ``x: [T, 1, in_local]``, or None.
+    def apply(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``base`` (the adapted linear's output ``[T, 1, out_local]``) plus the LoRA update of
+        the packed activations ``x: [T, 1, in_local]`` (``base`` itself where no slot trains
+        this module).
 
-        One slot covering the whole batch takes a plain path. Several slots: with
+        One slot covering the whole batch takes a plain path whose second GEMM adds onto
+        ``base`` in its epilogue (``addmm``: no separate addition of two ``[T, out]`` tensors,
+        one rounding instead of two). Several slots: with
         ``routing.stacked`` (the GPU default) one grouped matmul per projection whose groups are
         the segments (``torch._grouped_mm``): a fixed number of kernels however many tenants
         share the batch, and exactly each slot's own FLOPs; otherwise (the CPU default, or where
@@ -332,7 +336,7 @@ class SlotAdapter(nn.Module):
         routing, group = self.routing, self.target.group
         active = [s for s in routing.segments if routing.configs[s.slot].trains(group)]
         if not active:
-            return None
+            return base
         slots = sorted({s.slot for s in active})
         covered = sum(s.end - s.start for s in active) == x.shape[0]
         # Plain 2-D matmuls: ``[T, 1, in] @ [in, r]`` would take a different kernel (and
@@ -342,12 +346,13 @@ class SlotAdapter(nn.Module):
             rank = routing.configs[slots[0]].rank
             a = self._a(slots[0], rank, x.dtype)  # [parts*r, in]
             b = self._b(slots[0], rank, lora_scaling(rank), x.dtype)  # [out, parts*r]
-            out = region(rows @ a.t()) @ b.t()  # [T, out]
+            h = region(rows @ a.t())  # [T, parts*r]
+            return torch.addmm(base.reshape(rows.shape[0], -1), h, b.t().to(base.dtype)).view_as(base)
         elif routing.stacked and grouped_mm_supported(x):
             out = self._grouped(rows, region)
         else:
             out = self._per_segment(rows, region)
-        return out.unsqueeze(1)  # [T, 1, out]
+        return base + out.unsqueeze(1).to(base.dtype)  # [T, 1, out]
 
     def _grouped(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Both factors as grouped matmuls over the segments (one kernel each).
@@ -395,11 +400,8 @@ class SlotAdapter(nn.Module):
         return torch.cat(out, dim=0)  # [T, out]
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        update = self.delta(args[0])
-        if update is None:
-            return output
         base, bias = output
-        return base + update.to(base.dtype), bias
+        return self.apply(args[0], base), bias
 
 
 @dataclass(frozen=True)

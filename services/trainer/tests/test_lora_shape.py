@@ -180,8 +180,9 @@ def test_a_bf16_forward_scales_b_in_fp32(engine: TrainerEngine, module: str, pat
     routing.segments = [Segment(0, 0, seg)] + ([Segment(1, seg, tokens)] if seg < tokens else [])
     routing.stacked = path == "stacked"
     try:
-        out = adapter.delta(x)
-        assert out is not None
+        base = torch.zeros(tokens, 1, adapter.lora_B.shape[1], dtype=torch.bfloat16)
+        out = adapter.apply(x, base)
+        assert out is not base
         out.float().sum().backward()
     finally:
         routing.segments, routing.stacked = [], False
