@@ -343,6 +343,8 @@ class Bench:
             return
         from torch.profiler import ProfilerActivity, profile
 
+        from services.sampler import decode_ops as ops
+
         window = 256
         for batch, n_adapters in ((1, 1), (8, 8), (64, 8), (64, 0)):
             inputs = engine._inputs
@@ -386,6 +388,20 @@ class Bench:
             self.row("profile", row)
             for name, g in kernels.items():
                 self.log(f"   {name:28s} {g['count']:7.0f} kernels {g['ms']:8.3f} ms")
+            if batch <= ops.GROUP_ROWS:  # the expand kernel's columns per program: default vs 1024
+                chosen, key = ops.SMALL_CHUNK, (batch, window, span)
+                try:
+                    ops.SMALL_CHUNK = 1024
+                    engine._graphs.pop(key, None)
+                    engine._step_outputs(batch, window, span)
+                    self.row(
+                        "profile_variants",
+                        {"batch": batch, "variant": "expand chunk 1024", "replay_ms": replay_ms(step)},
+                    )
+                finally:
+                    ops.SMALL_CHUNK = chosen
+                    engine._graphs.pop(key, None)
+                    engine._step_outputs(batch, window, span)
             ablate = getattr(engine, "profile_variants", None)
             if ablate is not None:
                 for label, fn in ablate(batch, window).items():

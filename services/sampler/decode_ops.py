@@ -47,6 +47,10 @@ SPLIT = 64
 """Cache columns per attention block (one program of the decode attention kernel)."""
 GROUP_ROWS = 16
 """Rows of one slot that the LoRA expand kernel multiplies at once (a tile)."""
+SMALL_CHUNK = 128
+"""Output columns per program of the LoRA expand kernel in a step of at most ``GROUP_ROWS`` rows
+(one tile per slot; larger steps take up to 1024): the kernel is latency-bound there, so more and
+shorter programs."""
 ROW_PROGRAMS = 4
 """Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:
@@ -400,7 +404,7 @@ def add_lora(
     order, starts = groups if groups is not None else group_rows(slots, n_slots)
     # Each slot's rows in tiles of GROUP_ROWS, spread over up to ROW_PROGRAMS programs per (slot, block)
     programs = min(ROW_PROGRAMS, triton.cdiv(nrows, GROUP_ROWS))
-    chunk = 1024
+    chunk = SMALL_CHUNK if nrows <= GROUP_ROWS else 1024
     for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
         chunk = min(chunk, _pow2_divisor(size, 1024))
     chunk = min(chunk, triton.next_power_of_2(sizes[-1]))

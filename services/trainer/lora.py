@@ -309,7 +309,7 @@ class SlotAdapter(nn.Module):
             scale = scale.to(b.dtype).view(-1, 1, 1)
         return block_diagonal((b * scale).to(dtype), self.part_mask)
 
-    def apply(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    def adapt(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``base`` (the adapted linear's output ``[T, 1, out_local]``) plus the LoRA update of
         the packed activations ``x: [T, 1, in_local]`` (``base`` itself where no slot trains
         this module).
@@ -401,7 +401,7 @@ class SlotAdapter(nn.Module):
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         base, bias = output
-        return self.apply(args[0], base), bias
+        return self.adapt(args[0], base), bias
 
 
 @dataclass(frozen=True)

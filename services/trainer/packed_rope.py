@@ -1,11 +1,21 @@
-"""RoPE for packed (THD) batches without host synchronisation (a patch of megatron-core 0.16.1).
+"""RoPE for packed (THD) batches without host synchronisation (a patch of megatron-core 0.16.1),
+and on CUDA in one Triton kernel per call, forward and backward.
 
 megatron's `rope_utils._apply_rotary_pos_emb_thd` reads the document lengths back to the host
 (`.tolist()` and a size comparison) twice per layer, then slices and concatenates the frequencies
 document by document: on a GPU that is a stall per layer. Positions restart at 0 in every
 document, so the same frequencies are `freqs[pos]` with `pos = t - cu_seqlens[doc(t)]`, computed
 on the device once per forward. At context-parallel size 1 the result is bit-identical; other
-CP sizes keep megatron's function. Measured on the H200: see docs/benchmarks.md.
+CP sizes keep megatron's function.
+
+megatron then rotates with about a dozen elementwise kernels per call (cos, sin, their casts,
+two products, the half rotation's negation and concatenation, a sum, a final concatenation), and
+as many again in the backward, for q and for k of every layer. On CUDA, for the full-width,
+non-interleaved rotation Qwen3 and Llama use, ``_FusedRope`` does each direction in one kernel.
+It computes exactly megatron's roundings: the cos and sin tables are megatron's own
+(``(cos(freqs) * mscale).to(dtype)``, built once per forward), every product is rounded to the
+tensor's dtype before the sum, and the sum once more, so forward and backward are bit-identical
+to megatron's (``services/trainer/tests/test_packed_rope.py`` checks both on CUDA).
 """
 
 from __future__ import annotations
@@ -16,8 +26,48 @@ import torch
 
 from services.trainer.attention import document_ids
 
-_cache: dict[str, Any] = {"key": None, "positions": None}
+try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+_cache: dict[str, Any] = {"key": None, "positions": None, "tables": None, "tables_key": None}
 _original: Any = None
+
+
+def _positions(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
+    if _cache["key"] is not cu_seqlens:  # every layer of one forward shares the same tensor
+        doc = document_ids(cu_seqlens, total)  # [T]
+        _cache.update(key=cu_seqlens, positions=torch.arange(total, device=device) - cu_seqlens.long()[doc])
+    return _cache["positions"]
+
+
+def _tables(
+    freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, mscale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's cos and sin tables for these positions, ``[T, d]`` in ``dtype`` (once per forward)."""
+    cached = _cache["tables_key"]
+    if cached is None or not (
+        cached[0] is freqs and cached[1] is positions and cached[2] == dtype and cached[3] == mscale
+    ):
+        f = freqs[positions].reshape(positions.shape[0], freqs.shape[-1])
+        tables = ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))
+        _cache.update(tables_key=(freqs, positions, dtype, mscale), tables=tables)
+    return _cache["tables"]
+
+
+def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, mla: bool) -> bool:
+    return (
+        triton is not None
+        and t.is_cuda
+        and not rotary_interleaved
+        and not mla
+        and t.dim() == 3
+        and freqs.shape[-1] == t.shape[-1]
+        and t.shape[-1] % 2 == 0
+        and (t.shape[-1] // 2) & (t.shape[-1] // 2 - 1) == 0  # a power of two halves
+    )
 
 
 def _rope_thd(
@@ -33,17 +83,81 @@ def _rope_thd(
 
     if cp_group is not None and cp_group.size() > 1:
         return _original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-    total = t.shape[0]
-    if _cache["key"] is not cu_seqlens:  # every layer of one forward shares the same tensor
-        doc = document_ids(cu_seqlens, total)  # [T]
-        _cache.update(key=cu_seqlens, positions=torch.arange(total, device=t.device) - cu_seqlens.long()[doc])
+    positions = _positions(cu_seqlens, t.shape[0], t.device)
+    if fused_rope_supported(t, freqs, rotary_interleaved, multi_latent_attention):
+        cos, sin = _tables(freqs, positions, t.dtype, mscale)
+        return _FusedRope.apply(t, cos, sin)
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),  # [T, 1, heads, d]
-        freqs[_cache["positions"]],  # [T, 1, 1, d]
+        freqs[positions],  # [T, 1, 1, d]
         rotary_interleaved=rotary_interleaved,
         multi_latent_attention=multi_latent_attention,
         mscale=mscale,
     ).squeeze(1)
+
+
+class _FusedRope(torch.autograd.Function):
+    """``t * cos + rotate_half(t) * sin`` for ``t: [T, heads, d]`` and tables ``[T, d]``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(t, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, backward=True), None, None
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    tokens, heads, dim = t.shape
+    out = torch.empty((tokens, heads, dim), dtype=t.dtype, device=t.device)
+    block_h = min(16, triton.next_power_of_2(heads))
+    kernel: Any = _rope_kernel
+    kernel[(tokens, triton.cdiv(heads, block_h))](
+        t, cos, sin, out, t.stride(0), t.stride(1), out.stride(0), out.stride(1), heads,
+        HALF=dim // 2, BLOCK_H=block_h, BACKWARD=backward,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(
+        x_ptr, cos_ptr, sin_ptr, out_ptr, x_st, x_sh, o_st, o_sh, heads,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+    ):  # fmt: skip
+        # megatron: out = t * cos + cat(-t2, t1) * sin, each product and the sum rounded to the
+        # dtype. Its backward: g * cos + cat(g2 * sin2, -(g1 * sin1)), rounded the same way.
+        tok = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, HALF)
+        keep = (h < heads)[:, None]
+        src = x_ptr + tok * x_st + h[:, None] * x_sh + d[None, :]
+        x1 = tl.load(src, mask=keep, other=0.0)
+        x2 = tl.load(src + HALF, mask=keep, other=0.0)
+        kind = x1.dtype
+        row = tok * (2 * HALF) + d
+        c1 = tl.load(cos_ptr + row)[None, :].to(tl.float32)
+        c2 = tl.load(cos_ptr + row + HALF)[None, :].to(tl.float32)
+        s1 = tl.load(sin_ptr + row)[None, :].to(tl.float32)
+        s2 = tl.load(sin_ptr + row + HALF)[None, :].to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        a1 = (f1 * c1).to(kind).to(tl.float32)
+        a2 = (f2 * c2).to(kind).to(tl.float32)
+        if BACKWARD:
+            o1 = a1 + (f2 * s2).to(kind).to(tl.float32)
+            o2 = a2 - (f1 * s1).to(kind).to(tl.float32)
+        else:
+            o1 = a1 - (f2 * s1).to(kind).to(tl.float32)
+            o2 = a2 + (f1 * s2).to(kind).to(tl.float32)
+        dst = out_ptr + tok * o_st + h[:, None] * o_sh + d[None, :]
+        tl.store(dst, o1.to(kind), mask=keep)
+        tl.store(dst + HALF, o2.to(kind), mask=keep)
 
 
 def install() -> None:

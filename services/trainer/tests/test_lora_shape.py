@@ -181,7 +181,7 @@ def test_a_bf16_forward_scales_b_in_fp32(engine: TrainerEngine, module: str, pat
     routing.stacked = path == "stacked"
     try:
         base = torch.zeros(tokens, 1, adapter.lora_B.shape[1], dtype=torch.bfloat16)
-        out = adapter.apply(x, base)
+        out = adapter.adapt(x, base)
         assert out is not base
         out.float().sum().backward()
     finally:
