@@ -214,8 +214,6 @@ def lm_head_logprobs(
     """
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    from services.trainer.lora import lora_scaling
-
     weight = (
         model.shared_embedding_or_output_weight()
         if model.share_embeddings_and_output_weights
@@ -235,7 +233,7 @@ def lm_head_logprobs(
         rank = config.rank
         a = adapter._a(seg.slot, rank, rows.dtype)  # [r, H]
         us.append(copy_to_tensor_model_parallel_region(rows[seg.start : seg.end] @ a.t()))  # [t, r]
-        bs.append(adapter._b(seg.slot, rank, lora_scaling(rank), rows.dtype))  # [V/tp, r]
+        bs.append(adapter._b(seg.slot, rank, rows.dtype))  # [V/tp, r]
         segments.append((seg.start, seg.end, len(us) - 1))
     h = copy_to_tensor_model_parallel_region(rows)  # dh of every vocabulary shard is summed
     return fused_target_logprobs(h, weight, targets, segments, us, bs, chunk)

@@ -26,6 +26,12 @@ scaling itself.  A slot enables the attention modules (``train_attn``: qkv, proj
 modules (``train_mlp``: fc1, fc2) and the unembedding (``train_unembed``: output_layer)
 independently.
 
+Storage (``PooledRows``): every slot's tensors are one row of slot-major fp32 buffers (values and
+gradients), and the parameters are views of them. The forward reads its weights from a compute
+copy of the routed slots' rows (``compute_rows``: cast once per forward, ``B`` scaled there), and
+each weight's gradient is added into the slot's fp32 gradient row by the backward itself
+(``_ToRows``), so a step casts, scales and scatters nothing per tensor.
+
 Tensor parallelism follows the base layer: for a column-parallel base (qkv, fc1, output) ``A``
 is replicated and ``B`` holds this rank's output rows, and the rank-r activation passes
 ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) so ``A``'s
@@ -172,11 +178,21 @@ class SlotRouting:
     """Which slot each token of the current forward belongs to (set by the engine)."""
 
     def __init__(self) -> None:
-        self.segments: list[Segment] = []
+        self._segments: list[Segment] = []
+        self.generation = 0  # changes whenever the segments are set: one per forward
         self.configs: dict[int, LoraConfig] = {}
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self._segments
+
+    @segments.setter
+    def segments(self, value: list[Segment]) -> None:
+        self._segments = value
+        self.generation += 1
 
     def group_layout(self, group: str, x: torch.Tensor) -> GroupLayout:
         """Every segment as one group of a grouped matmul, for the adapters of ``group``.
@@ -193,14 +209,17 @@ class SlotRouting:
                 slots.index(seg.slot) if self.configs[seg.slot].trains(group) else len(slots)
                 for seg in self.segments
             ]  # len(slots): the all-zero entry
+            real = [g for g, w in enumerate(weight) if w < len(slots)]
             self._groups[key] = GroupLayout(
                 slots=torch.tensor(slots, device=x.device),
-                scale=torch.tensor(
-                    [lora_scaling(self.configs[s].rank) for s in slots], dtype=torch.float64, device=x.device
-                ),
                 rank=max(self.configs[s].rank for s in slots),
                 weight=torch.tensor(weight, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
+                real=torch.tensor(real, device=x.device),
+                real_slots=torch.tensor([self.segments[g].slot for g in real], device=x.device),
+                real_scale=torch.tensor(
+                    [lora_scaling(self.configs[self.segments[g].slot].rank) for g in real], device=x.device
+                ),
             )
         return self._groups[key]
 
@@ -210,15 +229,17 @@ class GroupLayout:
     """The grouped-matmul layout of one forward for one module group.
 
     Segment ``g`` of the packed stream ends at row ``offsets[g]`` and uses stacked weight
-    ``weight[g]``: an index into ``slots`` (the slots that train this module, with their
-    ``alpha/rank`` in ``scale``), or ``len(slots)``, an all-zero entry, for a slot that does not.
+    ``weight[g]``: an index into ``slots`` (the slots that train this module), or ``len(slots)``,
+    an all-zero entry, for a slot that does not.
     """
 
     slots: torch.Tensor  # [S] int64
-    scale: torch.Tensor  # [S] float64 (cast to the adapters' dtype where it multiplies B)
     rank: int  # the largest rank among `slots`
     weight: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
+    real: torch.Tensor  # int64: the groups whose slot trains these modules (weight < S)
+    real_slots: torch.Tensor  # int64: the slot of each of them (where its gradient goes)
+    real_scale: torch.Tensor  # fp32: that slot's alpha/rank (its B's gradient is scaled by it)
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -264,29 +285,30 @@ class SlotAdapter(nn.Module):
         num_slots: int,
         max_rank: int,
         routing: SlotRouting,
-        device: str | torch.device = "cpu",
-        storage: PooledRows | None = None,
+        device: str | torch.device,
+        rows: PooledRows,
     ) -> None:
         super().__init__()
         self.target = target
         self.routing = routing
+        self.rows = rows
         self.max_rank = max_rank
         self.parts = target.num_parts
         # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
-        a_shape, b_shape = self.shapes(target, num_slots, max_rank)
-        if storage is None:
-            self.lora_A = nn.Parameter(torch.zeros(a_shape, device=device))
-            self.lora_B = nn.Parameter(torch.zeros(b_shape, device=device))
-        else:
-            self.lora_A = storage.parameter(f"{target.path}.lora_A", a_shape)
-            self.lora_B = storage.parameter(f"{target.path}.lora_B", b_shape)
+        self.a_name, self.b_name = f"{target.path}.lora_A", f"{target.path}.lora_B"
+        self.a_shape, self.b_shape = self.shapes(target, num_slots, max_rank)
+        self.lora_A = rows.parameter(self.a_name, self.a_shape)
+        self.lora_B = rows.parameter(self.b_name, self.b_shape)
         parts = row_parts(target, shape)
         self.part_mask: torch.Tensor | None
+        self.part_index: torch.Tensor | None  # [out, 1, r_max]: each row's part, for gathers
         if parts is None:
-            self.part_mask = None
+            self.part_mask = self.part_index = None
         else:  # [out, parts] one-hot of each local row's part
             mask = parts.view(-1, 1) == torch.arange(self.parts).view(1, -1)
             self.register_buffer("part_mask", mask.to(device), persistent=False)
+            index = parts.view(-1, 1, 1).expand(-1, 1, max_rank).contiguous()
+            self.register_buffer("part_index", index.to(device), persistent=False)
 
     @staticmethod
     def shapes(target: TargetSpec, num_slots: int, max_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -295,19 +317,46 @@ class SlotAdapter(nn.Module):
         out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
         return (num_slots, target.num_parts, max_rank, in_local), (num_slots, out_local, max_rank)
 
-    def _a(self, slots: int | torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[parts*rank, in]`` (or ``[S, parts*rank, in]`` for a tensor of slots): every part's
-        first ``rank`` rows of ``A``, part after part."""
-        a = self.lora_A[slots, :, :rank] if isinstance(slots, int) else self.lora_A[:, :, :rank].index_select(0, slots)
-        return a.flatten(-3, -2).to(dtype)
+    def _compute(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This module's ``A`` and scaled ``B`` in the compute rows (``PooledRows.compute_rows``),
+        shaped like ``lora_A`` and ``lora_B``; no autograd history."""
+        rows = self.rows.compute_rows(self.routing, dtype)
+        return self.rows.view(rows, self.a_name, self.a_shape), self.rows.view(rows, self.b_name, self.b_shape)
 
-    def _b(self, slots: int | torch.Tensor, rank: int, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``scale * B`` built in the adapter's precision, cast to ``dtype`` and made block
-        diagonal: ``[out, parts*rank]`` (or ``[S, out, parts*rank]``)."""
-        b = self.lora_B[slots, :, :rank] if isinstance(slots, int) else self.lora_B[:, :, :rank].index_select(0, slots)
-        if isinstance(scale, torch.Tensor):
-            scale = scale.to(b.dtype).view(-1, 1, 1)
-        return block_diagonal((b * scale).to(dtype), self.part_mask)
+    def _a(self, slot: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[parts*rank, in]``: every part's first ``rank`` rows of the slot's ``A`` in ``dtype``,
+        part after part. Its gradient goes to the slot's gradient row (``_ToRows``)."""
+        a = self._compute(dtype)[0][slot, :, :rank].flatten(0, 1)
+        grads = self.lora_A.grad
+        assert grads is not None
+
+        def sink(g: torch.Tensor) -> None:
+            grads[slot, :, :rank].add_(g.view(grads.shape[1], rank, grads.shape[3]))
+
+        return _ToRows.apply(self.lora_A, a, sink)
+
+    def _b(self, slot: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[out, parts*rank]``: the slot's ``(alpha/rank) * B`` (scaled in fp32, then cast),
+        made block diagonal. Its gradient goes to the slot's gradient row (``_ToRows``)."""
+        # contiguous, as a cast would leave it: the GEMMs' backward picks its layout by b's strides
+        b = block_diagonal(self._compute(dtype)[1][slot, :, :rank].contiguous(), self.part_mask)
+        scale = lora_scaling(self.routing.configs[slot].rank)
+        grads = self.lora_B.grad
+        assert grads is not None
+
+        def sink(g: torch.Tensor) -> None:
+            grads[slot, :, :rank].add_(self._diagonal(g, rank), alpha=scale)
+
+        return _ToRows.apply(self.lora_B, b, sink)
+
+    def _diagonal(self, g: torch.Tensor, rank: int) -> torch.Tensor:
+        """The inverse of ``block_diagonal`` for gradients: ``[.., out, parts*rank]`` to
+        ``[.., out, rank]``, each row's own part's block (a gather: exact)."""
+        if self.part_index is None:
+            return g
+        out = g.shape[-2]
+        index = self.part_index[:, :, :rank].expand(*g.shape[:-2], out, 1, rank)
+        return g.unflatten(-1, (self.parts, rank)).gather(-2, index).squeeze(-2)
 
     def adapt(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``base`` (the adapted linear's output ``[T, 1, out_local]``) plus the LoRA update of
@@ -345,7 +394,7 @@ class SlotAdapter(nn.Module):
         if len(slots) == 1 and covered:
             rank = routing.configs[slots[0]].rank
             a = self._a(slots[0], rank, x.dtype)  # [parts*r, in]
-            b = self._b(slots[0], rank, lora_scaling(rank), x.dtype)  # [out, parts*r]
+            b = self._b(slots[0], rank, x.dtype)  # [out, parts*r]
             h = region(rows @ a.t())  # [T, parts*r]
             return torch.addmm(base.reshape(rows.shape[0], -1), h, b.t().to(base.dtype)).view_as(base)
         elif routing.stacked and grouped_mm_supported(x):
@@ -365,13 +414,28 @@ class SlotAdapter(nn.Module):
         """
         layout = self.routing.group_layout(self.target.group, rows)
         r = layout.rank
-        a = self._a(layout.slots, r, rows.dtype)  # [S, parts*r, in]
-        b = self._b(layout.slots, r, layout.scale, rows.dtype)  # [S, out, parts*r]
+        a_rows, b_rows = self._compute(rows.dtype)
+        a = a_rows[:, :, :r].index_select(0, layout.slots).flatten(1, 2)  # [S, parts*r, in]
+        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.slots), self.part_mask)  # [S, out, parts*r]
         pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
         b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
         a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, w, in]
         b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, w]
+        width, parts = self.parts * r, self.parts
+        a_grads, b_grads = self.lora_A.grad, self.lora_B.grad
+        assert a_grads is not None and b_grads is not None
+
+        def a_sink(g: torch.Tensor) -> None:  # [G, w, in]: each real group into its slot's row
+            real = g.index_select(0, layout.real)[:, :width].unflatten(1, (parts, r))
+            a_grads[:, :, :r].index_add_(0, layout.real_slots, real.to(a_grads.dtype))
+
+        def b_sink(g: torch.Tensor) -> None:  # [G, out, w]
+            real = self._diagonal(g.index_select(0, layout.real)[..., :width], r).to(b_grads.dtype)
+            b_grads[:, :, :r].index_add_(0, layout.real_slots, real * layout.real_scale.view(-1, 1, 1))
+
+        a = _ToRows.apply(self.lora_A, a, a_sink)
+        b = _ToRows.apply(self.lora_B, b, b_sink)
         h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
         return torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets)  # [T, out]
 
@@ -395,7 +459,7 @@ class SlotAdapter(nn.Module):
         out = []
         for seg in routing.segments:
             rank = rank_of[seg.slot]
-            b = self._b(seg.slot, rank, lora_scaling(routing.configs[seg.slot].rank), rows.dtype)  # [out, parts*r]
+            b = self._b(seg.slot, rank, rows.dtype)  # [out, parts*r]
             out.append(h[seg.start : seg.end, : self.parts * rank] @ b.t())  # [t, out]
         return torch.cat(out, dim=0)  # [T, out]
 
@@ -429,6 +493,25 @@ ROW_ALIGN = 64
 """Every entry of a ``PooledRows`` row starts at a multiple of this many floats (256 bytes)."""
 
 
+class _ToRows(torch.autograd.Function):
+    """A weight of the LoRA math, read from ``PooledRows``' compute rows (no autograd history of
+    its own), whose gradient ``sink`` adds into the pool's fp32 gradient rows directly: each
+    gradient is one in-place (type-promoting) addition into its slot's rows, instead of a cast and
+    a slot-indexing backward that fills a pool-sized tensor of zeros for every tensor. ``anchor``
+    (the fp32 parameter) only puts the op on the autograd graph; it receives no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, weight: torch.Tensor, sink: Callable[[torch.Tensor], None]) -> Any:
+        ctx.sink = sink
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        with torch.no_grad():
+            ctx.sink(grad)
+        return None, None, None
+
+
 class PooledRows:
     """Every adapter tensor of a pool as columns of two slot-major fp32 buffers, ``values`` and
     ``grads`` (``[slots, width]``): slot ``s``'s part of every parameter lies in row ``s``.
@@ -450,16 +533,27 @@ class PooledRows:
         self.num_slots = entries[0][1][0]
         self.offsets: dict[str, tuple[int, int]] = {}
         width = self.sharded = 0
-        for name, shape, sharded in sorted(entries, key=lambda e: not e[2]):  # sharded first, stable
+        runs: list[tuple[bool, int, int]] = []  # (is B, first column, end) of each run of one kind
+        # sharded first, then A before B within each (stable): four runs of columns in all
+        for name, shape, sharded in sorted(entries, key=lambda e: (not e[2], e[0].endswith(".lora_B"))):
             n = math.prod(shape[1:])
             self.offsets[name] = (width, n)
-            width += -(-n // ROW_ALIGN) * ROW_ALIGN
+            end = width + -(-n // ROW_ALIGN) * ROW_ALIGN
+            is_b = name.endswith(".lora_B")
+            if runs and runs[-1][0] == is_b:
+                runs[-1] = (is_b, runs[-1][1], end)
+            else:
+                runs.append((is_b, width, end))
+            width = end
             if sharded:
                 self.sharded = width
         self.width = width
+        self.runs = runs
         self.values = torch.zeros(self.num_slots, width, device=device)
         self.grads = torch.zeros_like(self.values)
         self.params: dict[str, nn.Parameter] = {}
+        self.compute: torch.Tensor | None = None  # see compute_rows
+        self._computed_for: int | None = None
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def view(self, buffer: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -473,6 +567,27 @@ class PooledRows:
         self.params[name] = param
         self._grads.append((param, param.grad))
         return param
+
+    def compute_rows(self, routing: SlotRouting, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` in the compute ``dtype`` with every ``B`` scaled by its slot's
+        ``alpha/rank`` (the product in fp32, then one rounding), for the slots of the current
+        forward: rebuilt once per forward (``routing.generation``), two kernels per run of
+        columns and slot, instead of a cast and a product per tensor in every module's forward.
+        Rows of other slots are stale and never read."""
+        if self.compute is None or self.compute.dtype != dtype:
+            self.compute = torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.values.device)
+            self._computed_for = None
+        if self._computed_for != routing.generation:
+            with torch.no_grad():
+                for slot in sorted({seg.slot for seg in routing.segments}):
+                    scale = lora_scaling(routing.configs[slot].rank)
+                    for is_b, lo, hi in self.runs:
+                        if is_b:
+                            torch.mul(self.values[slot, lo:hi], scale, out=self.compute[slot, lo:hi])
+                        else:
+                            self.compute[slot, lo:hi].copy_(self.values[slot, lo:hi])
+            self._computed_for = routing.generation
+        return self.compute
 
     def intact(self) -> bool:
         """Whether every parameter's ``.grad`` is still its view of ``grads`` (code that sets a
