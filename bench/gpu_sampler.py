@@ -388,15 +388,16 @@ class Bench:
             self.row("profile", row)
             for name, g in kernels.items():
                 self.log(f"   {name:28s} {g['count']:7.0f} kernels {g['ms']:8.3f} ms")
-            if batch <= ops.GROUP_ROWS:  # the expand kernel's columns per program: default vs 1024
+            if batch <= ops.GROUP_ROWS:  # the expand kernel's columns per program: the other choice
                 chosen, key = ops.SMALL_CHUNK, (batch, window, span)
+                other = 128 if chosen != 128 else 1024
                 try:
-                    ops.SMALL_CHUNK = 1024
+                    ops.SMALL_CHUNK = other
                     engine._graphs.pop(key, None)
                     engine._step_outputs(batch, window, span)
                     self.row(
                         "profile_variants",
-                        {"batch": batch, "variant": "expand chunk 1024", "replay_ms": replay_ms(step)},
+                        {"batch": batch, "variant": f"expand chunk {other}", "replay_ms": replay_ms(step)},
                     )
                 finally:
                     ops.SMALL_CHUNK = chosen

@@ -47,10 +47,11 @@ SPLIT = 64
 """Cache columns per attention block (one program of the decode attention kernel)."""
 GROUP_ROWS = 16
 """Rows of one slot that the LoRA expand kernel multiplies at once (a tile)."""
-SMALL_CHUNK = 128
+SMALL_CHUNK = 1024
 """Output columns per program of the LoRA expand kernel in a step of at most ``GROUP_ROWS`` rows
-(one tile per slot; larger steps take up to 1024): the kernel is latency-bound there, so more and
-shorter programs."""
+(one tile per slot; larger steps take up to 1024). The kernel is latency-bound there, and more,
+shorter programs (128 columns) may serve it better: ``bench/gpu_sampler.py``'s profile measures
+both."""
 ROW_PROGRAMS = 4
 """Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:

@@ -15,7 +15,8 @@ non-interleaved rotation Qwen3 and Llama use, ``_FusedRope`` does each direction
 It computes exactly megatron's roundings: the cos and sin tables are megatron's own
 (``(cos(freqs) * mscale).to(dtype)``, built once per forward), every product is rounded to the
 tensor's dtype before the sum, and the sum once more, so forward and backward are bit-identical
-to megatron's (``services/trainer/tests/test_packed_rope.py`` checks both on CUDA).
+to megatron's (``services/trainer/tests/test_packed_rope.py`` checks both on CUDA), and the
+kernel is used only on a device where a probe at first use found exactly that.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ def _tables(
     return _cache["tables"]
 
 
+_FUSED_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
 def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, mla: bool) -> bool:
-    return (
+    """Whether ``_FusedRope`` takes this call: CUDA, Triton, the full-width non-interleaved
+    rotation, and a kernel that proved bit-identical to megatron's on this device and dtype
+    (``_probe``, once each; otherwise megatron's own math runs)."""
+    if not (
         triton is not None
         and t.is_cuda
         and not rotary_interleaved
@@ -67,7 +74,38 @@ def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleave
         and freqs.shape[-1] == t.shape[-1]
         and t.shape[-1] % 2 == 0
         and (t.shape[-1] // 2) & (t.shape[-1] // 2 - 1) == 0  # a power of two halves
-    )
+    ):
+        return False
+    key = (t.device, t.dtype)
+    if key not in _FUSED_OK:
+        _FUSED_OK[key] = _probe(t.device, t.dtype, t.shape[-1])
+    return _FUSED_OK[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """The kernel against megatron's function on a small strided input, forward and backward:
+    True only where it compiles and every bit agrees."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        tokens, heads = 37, 3
+        x = torch.randn(tokens, heads + 2, dim, generator=gen, device=device).to(dtype)[:, :heads]
+        grad = torch.randn(tokens, heads, dim, generator=gen, device=device).to(dtype)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+        f = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv)
+        freqs = torch.cat([f, f], dim=-1)[:, None, None, :]
+        cos, sin = (torch.cos(freqs) * 1.0).to(dtype)[:, 0, 0], (torch.sin(freqs) * 1.0).to(dtype)[:, 0, 0]
+        got_x, ref_x = x.detach().requires_grad_(), x.detach().clone().requires_grad_()
+        got = _FusedRope.apply(got_x, cos, sin)
+        ref = rope_utils._apply_rotary_pos_emb_bshd(ref_x.unsqueeze(1), freqs).squeeze(1)
+        got.backward(grad)
+        ref.backward(grad)
+        got_grad, ref_grad = got_x.grad, ref_x.grad
+        assert got_grad is not None and ref_grad is not None
+        return bool(torch.equal(got, ref)) and bool(torch.equal(got_grad, ref_grad))
+    except Exception:  # any failure to compile or run (Triton raises several types): megatron's path
+        return False
 
 
 def _rope_thd(
