@@ -207,3 +207,19 @@ def test_cuda_mixed_adapters_are_isolated_and_a_nan_adapter_is_refused(
     swapped = _generate(model_dir, adapter_dirs, [(CASES[0][0], "ad7"), *CASES[1:]])
     assert swapped[0] != clean[0]
     assert swapped[1:] == clean[1:]
+
+
+def test_lora_term_from_a_slot_span_equals_the_term_from_every_slot() -> None:
+    """CPU (the torch twin): a folded output holding only the first ``span`` slots' ``x A^T``
+    columns (a step whose rows all use lower slots) gives every row exactly the output of the
+    one holding every slot's; rows without an adapter get the base columns."""
+    gen = torch.Generator().manual_seed(0)
+    n_slots, rank, out, bounds = 8, 4, 48, [0, 32, 40, 48]
+    r_total = 3 * rank
+    y = torch.randn(6, 1, out + n_slots * r_total, generator=gen)
+    b = torch.randn(n_slots, out, rank, generator=gen)
+    slots = torch.tensor([0, 2, -1, 3, 1, 3])
+    full = ops.lora_expand_torch(y, out, b, slots, bounds)
+    span = ops.lora_expand_torch(y[..., : out + 4 * r_total].clone(), out, b, slots, bounds, r_total)
+    assert torch.equal(span, full)
+    assert torch.equal(full[2], y[2, :, :out])

@@ -406,3 +406,31 @@ def test_pooled_rows_step_equals_torch_fused_adamw_per_slot(device: str) -> None
             assert int(torch.count_nonzero(rows.values[s][~trained])) == 0, f"slot {s}: an untrained entry moved"
             assert int(torch.count_nonzero(rows.grads[s])) == 0, f"slot {s}: gradients left after the step"
     assert torch.equal(rows.values[1], untouched)
+
+
+def test_a_replaced_grad_is_stepped_from_that_grad_not_from_the_rows() -> None:
+    """A parameter of the rows whose ``.grad`` was set to a tensor of its own (the rows no longer
+    hold its gradient): the optimizer notices and steps every tensor from its own ``.grad``,
+    exactly as an optimizer without rows does."""
+    from services.trainer.lora import PooledRows
+
+    shapes = [(2, 8, 64), (2, 64, 8)]
+    results = []
+    for with_rows in (True, False):
+        rows = PooledRows([(f"t{i}", s, False) for i, s in enumerate(shapes)], "cpu")
+        params = [rows.parameter(f"t{i}", s) for i, s in enumerate(shapes)]
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in params:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        params[1].grad = torch.randn(params[1].shape, generator=gen) * 1e-2  # replaced, not in the rows
+        assert params[0].grad is not None
+        params[0].grad.copy_(torch.randn(params[0].shape, generator=gen) * 1e-2)
+        assert rows.intact() is False
+        opt = SlotAdamW(fused=True, rows=rows if with_rows else None)
+        tensors = _tensors(params, 0, 8)
+        report = opt.step_many([(0, tensors, AdamParams(learning_rate=1e-2))])[0]
+        assert report.applied
+        results.append([t.value().clone() for t in tensors])
+    for got, want in zip(results[0], results[1], strict=True):
+        assert torch.equal(got, want)
