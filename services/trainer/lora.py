@@ -64,7 +64,6 @@ contribute exactly nothing and receive no gradient.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,8 +209,10 @@ class SlotRouting:
                 for seg in self.segments
             ]  # len(slots): the all-zero entry
             real = [g for g, w in enumerate(weight) if w < len(slots)]
+            routed = routed_slots(self)
             self._groups[key] = GroupLayout(
                 slots=torch.tensor(slots, device=x.device),
+                positions=torch.tensor([routed.index(s) for s in slots], device=x.device),
                 rank=max(self.configs[s].rank for s in slots),
                 weight=torch.tensor(weight, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
@@ -224,6 +225,11 @@ class SlotRouting:
         return self._groups[key]
 
 
+def routed_slots(routing: SlotRouting) -> list[int]:
+    """The slots of the current forward, ascending (the order of ``PooledRows.compute_rows``)."""
+    return sorted({seg.slot for seg in routing.segments})
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """The grouped-matmul layout of one forward for one module group.
@@ -234,6 +240,7 @@ class GroupLayout:
     """
 
     slots: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64: each slot's row in the forward's compute rows
     rank: int  # the largest rank among `slots`
     weight: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
@@ -317,16 +324,20 @@ class SlotAdapter(nn.Module):
         out_local = _local(target.out_features, target.b_kind, dim_is_split=True)
         return (num_slots, target.num_parts, max_rank, in_local), (num_slots, out_local, max_rank)
 
-    def _compute(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """This module's ``A`` and scaled ``B`` in the compute rows (``PooledRows.compute_rows``),
-        shaped like ``lora_A`` and ``lora_B``; no autograd history."""
-        rows = self.rows.compute_rows(self.routing, dtype)
-        return self.rows.view(rows, self.a_name, self.a_shape), self.rows.view(rows, self.b_name, self.b_shape)
+    def _compute(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+        """This module's ``A`` and scaled ``B`` of the forward's slots in the compute rows
+        (``PooledRows.compute_rows``), shaped like ``lora_A`` and ``lora_B`` but one entry per
+        routed slot, and each slot's position; no autograd history."""
+        rows, positions = self.rows.compute_rows(self.routing, dtype)
+        n = rows.shape[0]
+        a = self.rows.view(rows, self.a_name, (n, *self.a_shape[1:]))
+        return a, self.rows.view(rows, self.b_name, (n, *self.b_shape[1:])), positions
 
     def _a(self, slot: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """``[parts*rank, in]``: every part's first ``rank`` rows of the slot's ``A`` in ``dtype``,
         part after part. Its gradient goes to the slot's gradient row (``_ToRows``)."""
-        a = self._compute(dtype)[0][slot, :, :rank].flatten(0, 1)
+        a_rows, _, positions = self._compute(dtype)
+        a = a_rows[positions[slot], :, :rank].flatten(0, 1)
         grads = self.lora_A.grad
         assert grads is not None
 
@@ -339,7 +350,8 @@ class SlotAdapter(nn.Module):
         """``[out, parts*rank]``: the slot's ``(alpha/rank) * B`` (scaled in fp32, then cast),
         made block diagonal. Its gradient goes to the slot's gradient row (``_ToRows``)."""
         # contiguous, as a cast would leave it: the GEMMs' backward picks its layout by b's strides
-        b = block_diagonal(self._compute(dtype)[1][slot, :, :rank].contiguous(), self.part_mask)
+        _, b_rows, positions = self._compute(dtype)
+        b = block_diagonal(b_rows[positions[slot], :, :rank].contiguous(), self.part_mask)
         scale = lora_scaling(self.routing.configs[slot].rank)
         grads = self.lora_B.grad
         assert grads is not None
@@ -414,9 +426,9 @@ class SlotAdapter(nn.Module):
         """
         layout = self.routing.group_layout(self.target.group, rows)
         r = layout.rank
-        a_rows, b_rows = self._compute(rows.dtype)
-        a = a_rows[:, :, :r].index_select(0, layout.slots).flatten(1, 2)  # [S, parts*r, in]
-        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.slots), self.part_mask)  # [S, out, parts*r]
+        a_rows, b_rows, _ = self._compute(rows.dtype)
+        a = a_rows[:, :, :r].index_select(0, layout.positions).flatten(1, 2)  # [S, parts*r, in]
+        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.positions), self.part_mask)  # [S, out, parts*r]
         pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
         b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
@@ -484,11 +496,6 @@ class SlotTensor:
         return None if self.param.grad is None else self.param.grad[self.index]
 
 
-# A parameter that is a view of the rows has gaps between its slots, and autograd's layout
-# contract asks such a parameter's .grad to be contiguous; accumulating into the rows in place is
-# what is wanted here, so its one-time notice is noise in the trainer's log.
-warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-
 ROW_ALIGN = 64
 """Every entry of a ``PooledRows`` row starts at a multiple of this many floats (256 bytes)."""
 
@@ -517,15 +524,16 @@ class PooledRows:
     ``grads`` (``[slots, width]``): slot ``s``'s part of every parameter lies in row ``s``.
 
     Each parameter is the view ``values[:, offset : offset + n]`` reshaped to its own shape, and
-    its ``.grad`` the same view of ``grads``, set before any backward, so autograd accumulates
-    into it in place. One slot's whole state is then one contiguous row, and ``SlotAdamW`` norms,
-    clips, zeroes and updates a slot (or a run of consecutive slots) as one tensor instead of one
-    per parameter: a few launches and host microseconds however many tensors a slot has.
+    its ``.grad`` the same view of ``grads``, which the backward adds into (``_ToRows``). One
+    slot's whole state is then one contiguous row, and ``SlotAdamW`` norms, clips, zeroes and
+    updates a slot (or a run of consecutive slots) as one tensor instead of one per parameter: a
+    few launches and host microseconds however many tensors a slot has.
 
     Columns of TP-sharded tensors come first, ``[0, sharded)``, replicated ones after (a
-    gradient norm sums the first over TP ranks and counts the second once). Entries start at
-    multiples of ``ROW_ALIGN`` floats; the gaps, like every entry a slot does not train (a rank
-    below the pool's, a disabled module), hold zeros that stay zero (no gradient reaches them).
+    gradient norm sums the first over TP ranks and counts the second once); within each, ``A``
+    before ``B``. Entries start at multiples of ``ROW_ALIGN`` floats; the gaps, like every entry a
+    slot does not train (a rank below the pool's, a disabled module), hold zeros that stay zero
+    (their gradients are exactly zero).
     """
 
     def __init__(self, entries: list[tuple[str, tuple[int, ...], bool]], device: str | torch.device) -> None:
@@ -552,8 +560,9 @@ class PooledRows:
         self.values = torch.zeros(self.num_slots, width, device=device)
         self.grads = torch.zeros_like(self.values)
         self.params: dict[str, nn.Parameter] = {}
-        self.compute: torch.Tensor | None = None  # see compute_rows
-        self._computed_for: int | None = None
+        self._compute: torch.Tensor | None = None  # see compute_rows
+        self._computed_for: tuple[int, torch.dtype] | None = None
+        self._positions: dict[int, int] = {}
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def view(self, buffer: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -568,26 +577,32 @@ class PooledRows:
         self._grads.append((param, param.grad))
         return param
 
-    def compute_rows(self, routing: SlotRouting, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` in the compute ``dtype`` with every ``B`` scaled by its slot's
-        ``alpha/rank`` (the product in fp32, then one rounding), for the slots of the current
-        forward: rebuilt once per forward (``routing.generation``), two kernels per run of
-        columns and slot, instead of a cast and a product per tensor in every module's forward.
-        Rows of other slots are stale and never read."""
-        if self.compute is None or self.compute.dtype != dtype:
-            self.compute = torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.values.device)
-            self._computed_for = None
-        if self._computed_for != routing.generation:
+    def compute_rows(self, routing: SlotRouting, dtype: torch.dtype) -> tuple[torch.Tensor, dict[int, int]]:
+        """The rows of the current forward's slots in the compute ``dtype``, every ``B`` scaled
+        by its slot's ``alpha/rank`` (the product in fp32, then one rounding), and each slot's
+        position among them (the forward's slots in ascending order, ``routed_positions``).
+
+        Rebuilt once per forward (``routing.generation``): two kernels per run of columns and slot,
+        instead of a cast and a product per tensor in every module's forward. Only the routed
+        slots' rows exist (a buffer kept at the most a forward has needed), so the copy costs no
+        memory for the pool's other slots."""
+        slots = routed_slots(routing)
+        key = (routing.generation, dtype)
+        if self._computed_for != key:
+            buffer = self._compute
+            if buffer is None or buffer.dtype != dtype or buffer.shape[0] < len(slots):
+                buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
             with torch.no_grad():
-                for slot in sorted({seg.slot for seg in routing.segments}):
+                for i, slot in enumerate(slots):
                     scale = lora_scaling(routing.configs[slot].rank)
                     for is_b, lo, hi in self.runs:
                         if is_b:
-                            torch.mul(self.values[slot, lo:hi], scale, out=self.compute[slot, lo:hi])
+                            torch.mul(self.values[slot, lo:hi], scale, out=buffer[i, lo:hi])
                         else:
-                            self.compute[slot, lo:hi].copy_(self.values[slot, lo:hi])
-            self._computed_for = routing.generation
-        return self.compute
+                            buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
+            self._computed_for, self._positions = key, {slot: i for i, slot in enumerate(slots)}
+        assert self._compute is not None
+        return self._compute[: len(slots)], self._positions
 
     def intact(self) -> bool:
         """Whether every parameter's ``.grad`` is still its view of ``grads`` (code that sets a
