@@ -4,8 +4,10 @@
 local directory and ``lora.py``'s per-row adapters.
 
 Scheduling.  ``generate`` validates and enqueues one row per sequence and awaits its
-future.  One worker thread owns all torch work, so the event loop never blocks.  Each
-iteration it (1) drops rows whose caller went away, (2) admits waiting rows up to
+future.  One worker thread owns the model's torch work (and the event loop never blocks);
+an adapter handed over from another process's memory is opened, validated and copied by the
+thread of its request meanwhile, outside any CUDA graph capture (``_device_lock``), and
+reaches the worker's pool slots only at admission.  Each iteration the worker (1) drops rows whose caller went away, (2) admits waiting rows up to
 ``max_batch_size`` and prefills them together (left-padded, each with its own adapter),
 sampling their first token, (3) runs one decode step for every running row with the KV
 cache, and (4) retires finished rows.  New requests therefore join a running batch at
@@ -20,12 +22,11 @@ separately (``sampling.py``).  Prompt logprobs follow SGLang: entries align with
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -149,9 +150,11 @@ class HFEngine:
         loader = functools.partial(read_adapter, bases=bases, max_rank=config.max_lora_rank)
         self._registry = AdapterRegistry(loader, config.max_loaded_loras)
 
+        # Held by device work that must not overlap another thread's: a CUDA graph capture
+        # (StaticCacheEngine._capture) and a handed-over adapter's load.
+        self._device_lock = threading.Lock()
         self._cond = threading.Condition()
         self._waiting: deque[_Row] = deque()
-        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future[object]]] = deque()
         self._admitting = True
         self._closed = False
         self._rows: list[_Row] = []  # running rows, in KV-batch order (worker thread only)
@@ -226,23 +229,17 @@ class HFEngine:
                 name, TENSOR_SOURCE, config, tensors, self._lora_bases, self.config.max_lora_rank
             )  # copies: the sender's memory is not kept
 
-        def load_on_worker() -> LoadedAdapter:
-            return cast(LoadedAdapter, self._on_worker(load))  # it touches the device (CUDA IPC)
+        def load_beside_the_worker() -> LoadedAdapter:
+            # It touches the device (CUDA IPC, copies, one finiteness read) from this thread while
+            # the worker goes on decoding: never during a graph capture (``_device_lock``).
+            with self._device_lock:
+                if self._closed:
+                    raise AdapterError("the sampling engine is closed")
+                return load()
 
-        await asyncio.to_thread(self._registry.register_loaded, name, load_on_worker, TENSOR_SOURCE, pinned=pinned)
-
-    def _on_worker(self, call: Callable[[], object]) -> object:
-        """Run ``call`` on the worker thread, between two steps, and return what it returns.
-
-        Every device operation of the engine runs there: a CUDA graph the worker is capturing
-        fails if another thread uses the device meanwhile."""
-        done: concurrent.futures.Future[object] = concurrent.futures.Future()
-        with self._cond:
-            if self._closed:
-                raise AdapterError("the sampling engine is closed")
-            self._calls.append((call, done))
-            self._cond.notify_all()
-        return done.result()
+        await asyncio.to_thread(
+            self._registry.register_loaded, name, load_beside_the_worker, TENSOR_SOURCE, pinned=pinned
+        )
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._registry.unregister, name)
@@ -352,22 +349,10 @@ class HFEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._closed or self._calls or self._rows or (self._admitting and self._waiting)
-                )
+                self._cond.wait_for(lambda: self._closed or self._rows or (self._admitting and self._waiting))
                 if self._closed:
-                    for _, done in self._calls:
-                        done.set_exception(AdapterError("the sampling engine was closed"))
-                    self._calls.clear()
                     return
-                calls = list(self._calls)
-                self._calls.clear()
                 admitted = self._take_admissions() if self._admitting else []
-            for call, done in calls:
-                try:
-                    done.set_result(call())
-                except BaseException as exc:  # the caller's error, raised where it waits
-                    done.set_exception(exc)
             try:
                 with torch.inference_mode():
                     self._drop_abandoned()

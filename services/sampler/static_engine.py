@@ -381,7 +381,12 @@ class StaticCacheEngine(HFEngine):
         return graph.outputs
 
     def _capture(self, b: int, window: int, span: int) -> _Graph:
-        """Warm up on a side stream, then capture (both compute exactly this step's inputs)."""
+        """Warm up on a side stream, then capture (both compute exactly this step's inputs),
+        holding ``_device_lock``: another thread's device work during a capture fails it."""
+        with self._device_lock:
+            return self._capture_locked(b, window, span)
+
+    def _capture_locked(self, b: int, window: int, span: int) -> _Graph:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()

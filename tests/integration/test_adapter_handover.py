@@ -200,3 +200,43 @@ def test_a_non_finite_adapter_handed_over_is_refused(
     finally:
         producer.close()
     assert_refused_and_not_registered(client, response, "nan", "non-finite")
+
+
+def test_a_handover_loads_while_the_engine_is_held_inside_a_decode_step(
+    model_dir: Path, adapter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's worker is held inside a decode step of a running generation; an adapter
+    handed over meanwhile is loaded and registered all the same (a load does not wait for the
+    worker, so it never stalls decoding), and the held generation then completes."""
+    import asyncio
+    import threading
+
+    from services.sampler.interface import SequenceRequest
+
+    engine = HFEngine(SamplerConfig(model_path=str(model_dir)))
+    entered, release = threading.Event(), threading.Event()
+    original = engine._decode_step
+
+    def held_step() -> None:
+        if not release.is_set():
+            entered.set()
+            release.wait(timeout=120)
+        original()
+
+    monkeypatch.setattr(engine, "_decode_step", held_step)
+    outputs: list[Any] = []
+    request = SequenceRequest(input_ids=PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    generation = threading.Thread(target=lambda: outputs.extend(asyncio.run(engine.generate([request]))))
+    producer = Producer(adapter_dir)
+    try:
+        generation.start()
+        assert entered.wait(timeout=120), "the generation never reached a decode step"
+        asyncio.run(engine.load_adapter_tensors("mid-step", producer.ref.config, producer.ref.tensors))
+        assert not release.is_set() and generation.is_alive(), "the worker was not held during the load"
+        assert engine.adapters()["mid-step"] == "__tensor__"
+    finally:
+        release.set()
+        producer.close()
+        generation.join(timeout=120)
+        engine.close()
+    assert len(outputs) == 1 and len(outputs[0].output_ids) == 4
