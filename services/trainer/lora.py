@@ -582,16 +582,16 @@ class PooledRows:
         by its slot's ``alpha/rank`` (the product in fp32, then one rounding), and each slot's
         position among them (the forward's slots in ascending order, ``routed_positions``).
 
-        Rebuilt once per forward (``routing.generation``): two kernels per run of columns and slot,
+        Built once per forward (``routing.generation``): two kernels per run of columns and slot,
         instead of a cast and a product per tensor in every module's forward. Only the routed
-        slots' rows exist (a buffer kept at the most a forward has needed), so the copy costs no
-        memory for the pool's other slots."""
+        slots' rows exist, so the copy costs no memory for the pool's other slots. Each forward
+        gets a new tensor (the caching allocator hands back the previous one's memory once its
+        backward has freed it): the weights an autograd graph saved are never overwritten."""
         slots = routed_slots(routing)
         key = (routing.generation, dtype)
         if self._computed_for != key:
-            buffer = self._compute
-            if buffer is None or buffer.dtype != dtype or buffer.shape[0] < len(slots):
-                buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
+            self._compute = None  # this forward's graph keeps its own, if any
+            buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
             with torch.no_grad():
                 for i, slot in enumerate(slots):
                     scale = lora_scaling(routing.configs[slot].rank)
@@ -602,7 +602,7 @@ class PooledRows:
                             buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
             self._computed_for, self._positions = key, {slot: i for i, slot in enumerate(slots)}
         assert self._compute is not None
-        return self._compute[: len(slots)], self._positions
+        return self._compute, self._positions
 
     def intact(self) -> bool:
         """Whether every parameter's ``.grad`` is still its view of ``grads`` (code that sets a
