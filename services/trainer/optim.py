@@ -16,19 +16,19 @@ so that state lives in tensors shaped like the slot-indexed parameters and is ke
     report applied=False
 
 Several slots in one call (``SlotAdamW.step_many``): every slot's gradient norm comes from one
-``_foreach_norm`` over all of their gradients and one host sync. The engine's pool keeps every
-slot's tensors as one row of slot-major buffers (``lora.PooledRows``); given them (``rows``), a
-fused step norms, clips, zeroes and updates each slot as its whole row (``_RowPlan``), a few
-tensors per call instead of a few hundred per slot. Otherwise, on CUDA (or with ``fused=True``)
+``_foreach_norm`` over all of their gradients and one host sync. On CUDA (or with ``fused=True``)
 the update is ``torch._fused_adamw_`` (one pass over p, g, m, v) for all slots that share their
-hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)``. Slots that train
-whole rows of the pool (rank = the pool's rank) are given to it as pooled rows: one tensor
-``param[a:b]`` per parameter and run ``a..b-1`` of consecutive such slots in the group, instead of
-one per parameter and slot (``_Layout``; the kernel is elementwise, so each element gets the same
-bits; on the CPU only where every slot row is a multiple of 64 floats, see ``_CPU_ROW_ALIGN``).
-The norms stay per slot and tensor (one ``_foreach_norm`` over all of them), so a slot's norm,
-clip coefficient and result never depend on which other slots share the call. The finiteness
-check is folded into that sync: with the largest |p|, |m| and v of each slot (one more
+hyper-parameters and step count, bit-equal to ``torch.optim.AdamW(fused=True)`` on CUDA (the
+kernel is elementwise). The engine's pool keeps every slot's tensors as one row of slot-major
+buffers (``lora.PooledRows``); given them (``rows``), such a step norms, clips, zeroes and
+updates each slot as its whole row (``_RowPlan``): two norm entries per slot, and one
+``_fused_adamw_`` tensor per run of consecutive slots, instead of a few hundred of each per
+slot. (On the CPU the kernel rounds the last elements of a tensor whose size is no multiple of
+its vector width in a scalar loop; the rows' entries start at multiples of 64 floats, so an entry
+of another size may differ there by a rounding from a per-tensor step.) Without rows, or where a
+slot's tensors are not all in them, the update takes each tensor as it is. A slot's norm, clip
+coefficient and result never depend on which other slots share the call. The finiteness check is
+folded into that sync: with the largest |p|, |m| and v of each slot (one more
 ``_foreach_norm``, on a slot's first fused step; after it the same bounds are carried forward on
 the host from the step's own arithmetic, ``_next_bounds``) and its clipped gradient norm, a bound
 in float64 shows that the step cannot leave a non-finite value (``_fused_step_is_safe``); only a
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,28 +90,6 @@ class _SlotViews:
     dense: bool  # every value, gradient and moment view is contiguous (what the fused kernel takes)
     scratch: list[list[torch.Tensor]] | None = None  # views of SlotAdamW._scratch, see _scratch_views
     scratch_buffer: torch.Tensor | None = None  # the buffer those views are of
-    layout: _Layout | None = None  # set when each tensor is the whole row ``param[slot]``
-    epoch: int = 0  # the layout's epoch when the views were made
-
-
-@dataclass
-class _Layout:
-    """Parameters of which some slots each train whole rows: slot ``s``'s tensors are exactly
-    ``param[s]`` of every parameter here (its rank is the pool's, one tensor per parameter).
-
-    For such slots the fused update runs over the pooled rows ``param[a:b]`` of a run of
-    consecutive slots that share their hyper-parameters and step count: one tensor per parameter
-    and run instead of one per parameter and slot (the kernel is elementwise, so every element
-    is computed exactly as in a per-slot call). ``epoch`` changes whenever a parameter's
-    ``.grad`` is a different tensor than before; views made at another epoch are stale.
-    """
-
-    params: tuple[torch.nn.Parameter, ...]
-    names: tuple[str, ...]
-    grads: tuple[torch.Tensor | None, ...] = ()
-    epoch: int = -1
-    poolable: bool = False  # every parameter has a gradient, and all of them and their moments are contiguous
-    runs: dict[tuple[int, int], tuple[list[torch.Tensor], ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,8 +140,6 @@ class SlotAdamW:
         self._cached: dict[int, _SlotViews] = {}
         self._scratch: torch.Tensor | None = None  # rollback copy of (p, m, v) and sqrt(v)
         self._bounds: dict[int, tuple[float, float, float]] = {}  # slot -> upper bounds of |p|, |m|, v
-        self._layouts: dict[tuple[int, ...], _Layout] = {}  # by the ids of its parameters (held)
-        self._checked: set[int] = set()  # ids of the layouts whose grads this call has checked
 
     def moments(self, tensor: SlotTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This slot's (exp_avg, exp_avg_sq) views for ``tensor``, allocated on first use."""
@@ -209,72 +185,15 @@ class SlotAdamW:
         assert self.exp_avg_rows is not None and self.exp_avg_sq_rows is not None
         return _RowPlan(rows, self.exp_avg_rows, self.exp_avg_sq_rows, slot)
 
-    def _refresh(self, layout: _Layout) -> int:
-        """The layout's epoch, after comparing its parameters' ``.grad`` with the last seen
-        (once per ``step_many`` call, however many of its slots are stepped)."""
-        if id(layout) in self._checked:
-            return layout.epoch
-        self._checked.add(id(layout))
-        grads = tuple(p.grad for p in layout.params)
-        if len(grads) != len(layout.grads) or any(
-            a is not b for a, b in zip(grads, layout.grads, strict=True)
-        ):
-            layout.grads, layout.epoch = grads, layout.epoch + 1
-            layout.runs.clear()
-            layout.poolable = all(
-                g is not None and g.is_contiguous() and p.data.is_contiguous()
-                for p, g in zip(layout.params, grads, strict=True)
-            ) and all(
-                self.exp_avg[n].is_contiguous() and self.exp_avg_sq[n].is_contiguous() for n in layout.names
-            )
-            if any(
-                p.device.type != "cuda" and (p.numel() // p.shape[0]) % _CPU_ROW_ALIGN for p in layout.params
-            ):
-                layout.poolable = False  # see _CPU_ROW_ALIGN
-        return layout.epoch
-
-    def _layout(self, slot: int, tensors: list[SlotTensor]) -> _Layout | None:
-        """The slot's ``_Layout`` when each of its tensors is the whole row ``param[slot]`` of a
-        parameter of its own (moments already allocated), else None."""
-        params = tuple(t.param for t in tensors)
-        if not tensors or len({id(p) for p in params}) != len(params):
-            return None
-        for t in tensors:
-            if not (
-                t.index and t.index[0] == slot and t.value().numel() * t.param.shape[0] == t.param.numel()
-            ):
-                return None
-        key = tuple(id(p) for p in params)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = _Layout(params, tuple(t.name for t in tensors))
-        return layout
-
-    def _run_views(self, layout: _Layout, start: int, stop: int) -> tuple[list[torch.Tensor], ...]:
-        """(values, grads, exp_avg, exp_avg_sq) of slots ``[start, stop)``: one view per parameter."""
-        views = layout.runs.get((start, stop))
-        if views is None:
-            views = (
-                [p.data[start:stop] for p in layout.params],
-                [g[start:stop] for g in layout.grads if g is not None],
-                [self.exp_avg[n][start:stop] for n in layout.names],
-                [self.exp_avg_sq[n][start:stop] for n in layout.names],
-            )
-            layout.runs[(start, stop)] = views
-        return views
-
     def _views(self, slot: int, tensors: list[SlotTensor]) -> _SlotViews:
         cached = self._cached.get(slot)
-        if cached is not None and (
-            cached.tensors is tensors or cached.key == [(t.name, t.index) for t in tensors]
+        if (
+            cached is not None
+            and (cached.tensors is tensors or cached.key == [(t.name, t.index) for t in tensors])
+            and all(t.param.grad is g for t, g in zip(tensors, cached.grad_sources, strict=True))
         ):
-            if cached.layout is not None:
-                if self._refresh(cached.layout) == cached.epoch:
-                    cached.tensors = tensors
-                    return cached
-            elif all(t.param.grad is g for t, g in zip(tensors, cached.grad_sources, strict=True)):
-                cached.tensors = tensors
-                return cached
+            cached.tensors = tensors
+            return cached
         moments = [self.moments(t) for t in tensors]
         grads = [t.grad() for t in tensors]
         present = [t for t, g in zip(tensors, grads, strict=True) if g is not None]
@@ -286,7 +205,6 @@ class SlotAdamW:
         )
         values = [t.value() for t in tensors]
         present_grads = [g for g in grads if g is not None]
-        layout = self._layout(slot, tensors)
         views = _SlotViews(
             tensors=tensors,
             key=[(t.name, t.index) for t in tensors],
@@ -300,8 +218,6 @@ class SlotAdamW:
                 t.is_contiguous()
                 for t in [*values, *present_grads, *(m for m, _ in moments), *(v for _, v in moments)]
             ),
-            layout=layout,
-            epoch=self._refresh(layout) if layout is not None else 0,
         )
         self._cached[slot] = views
         return views
@@ -346,7 +262,6 @@ class SlotAdamW:
         fused update."""
         if not requests:
             return {}
-        self._checked.clear()
         views = [self._views(slot, tensors) for slot, tensors, _ in requests]
         presents = [[g for g in v.grads if g is not None] for v in views]
         device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
@@ -405,15 +320,11 @@ class SlotAdamW:
             exp_avg: list[torch.Tensor] = []
             exp_avg_sq: list[torch.Tensor] = []
             to_zero: list[torch.Tensor] = []
-            pooled: dict[int, tuple[_Layout, list[int]]] = {}
             in_rows: list[int] = []
             for i in members:
                 v = views[i]
                 if plans[i] is not None:
                     in_rows.append(requests[i][0])
-                    continue
-                if v.layout is not None and v.layout.poolable:
-                    pooled.setdefault(id(v.layout), (v.layout, []))[1].append(requests[i][0])
                     continue
                 params += v.values
                 grads_ += [
@@ -422,14 +333,6 @@ class SlotAdamW:
                 exp_avg += v.exp_avg
                 exp_avg_sq += v.exp_avg_sq
                 to_zero += presents[i]
-            for layout, slots in pooled.values():
-                for start, stop in _runs(slots):
-                    run = self._run_views(layout, start, stop)
-                    params += run[0]
-                    grads_ += run[1]
-                    exp_avg += run[2]
-                    exp_avg_sq += run[3]
-                    to_zero += run[1]
             if in_rows:
                 rows, m_rows, v_rows = self.rows, self.exp_avg_rows, self.exp_avg_sq_rows
                 assert rows is not None and m_rows is not None and v_rows is not None
@@ -552,15 +455,6 @@ class SlotAdamW:
 
 
 _F32_MAX = torch.finfo(torch.float32).max
-
-# The CUDA fused kernel computes every element with the same code, wherever it sits in its tensor,
-# so a slot's rows give the same bits inside a pooled tensor as alone. The CPU kernel takes a
-# vectorised loop and a scalar loop for the tail, whose roundings of exp_avg_sq differ (seen on
-# rows of 148 floats); a slot's rows are pooled there only when each row is a whole number of
-# vectors of any width (64 floats covers AVX-512), so every element takes the vectorised loop
-# both ways.
-_CPU_ROW_ALIGN = 64
-
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:
     """``[start, stop)`` of each maximal run of consecutive numbers in ``slots`` (distinct)."""

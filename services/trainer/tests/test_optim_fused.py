@@ -11,6 +11,7 @@ on CUDA (the default picks it).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -226,35 +227,35 @@ def test_bounds_are_measured_again_after_a_slot_is_reset(monkeypatch: pytest.Mon
     assert report.applied and all(bool(torch.isfinite(t.value()).all()) for t in _tensors(params, 0, 8))
 
 
-def _rows_pool(slots: int, rank: int, device: str, seed: int, aligned: bool) -> list[nn.Parameter]:
-    """Slot rows of 64-float multiples (``aligned``), or of sizes that are no multiple of any
-    vector width, so that every slot's row ends mid-vector."""
+def _rows_pool(slots: int, rank: int, device: str, seed: int) -> tuple[Any, list[nn.Parameter]]:
+    """A ``PooledRows`` whose every slot trains whole rows (its rank is the pool's), random."""
+    from services.trainer.lora import PooledRows
+
     gen = torch.Generator(device=device).manual_seed(seed)
-    inner = (48, 32, 16, 64) if aligned else (37, 53, 11, 29)
-    shapes = [
-        (slots, rank, inner[0]),
-        (slots, inner[1], rank),
-        (slots, rank, inner[2]),
-        (slots, inner[3], rank),
-    ]
-    return [nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.1) for s in shapes]
+    shapes = [(slots, rank, 48), (slots, 32, rank), (slots, rank, 16), (slots, 64, rank)]
+    rows = PooledRows([(f"t{i}", s, False) for i, s in enumerate(shapes)], device)
+    params = [rows.parameter(f"t{i}", s) for i, s in enumerate(shapes)]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.1)
+    return rows, params
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-rows", "odd-rows"])
+def _rows_optimizer(device: str, rows: Any) -> SlotAdamW:
+    return SlotAdamW(fused=True, rows=rows) if device == "cpu" else SlotAdamW(rows=rows)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slot(
-    device: str, aligned: bool, monkeypatch: pytest.MonkeyPatch
+def test_consecutive_slots_are_updated_as_one_tensor_per_run_bit_equal_to_torch_per_slot(
+    device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Slots 0-2 and 4 share hyper-parameters, slot 3 has others, slot 5 is not stepped; every
-    slot trains whole rows of the pool (its rank is the pool's). On CUDA, and on the CPU where
-    each slot row is a multiple of 64 floats, the fused kernel is given one tensor per parameter
-    and run of consecutive slots (runs 0-2 and 4, then 3: 12 tensors, not 20); on the CPU with
-    odd rows one per parameter and slot. Either way, over three calls, with each parameter's
-    ``.grad`` replaced by a new tensor before the last one, every stepped slot's weights equal
+    """Slots 0-2 and 4 share hyper-parameters, slot 3 has others, slot 5 is not stepped. The fused
+    kernel is given one tensor per run of consecutive slots of the pool's rows (runs 0-2 and 4,
+    then 3: 3 tensors, not 20), and over three calls every stepped slot's weights equal
     torch.optim.AdamW(fused=True) on copies of that slot alone bit for bit, its gradients are
     zero, and slot 5's weights, gradients and moments are untouched."""
     rank, slots = 4, 6
-    params = _rows_pool(slots, rank, device, seed=7, aligned=aligned)
+    rows, params = _rows_pool(slots, rank, device, seed=7)
     gen = torch.Generator(device=device).manual_seed(8)
     for slot in range(slots):
         _set_grads(params, slot, rank, gen, 1e-2)
@@ -262,7 +263,7 @@ def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slo
     hps = {0: shared, 1: shared, 2: shared, 3: AdamParams(learning_rate=3e-3), 4: shared}
     refs = {s: [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, s, rank)] for s in hps}
     ref_opts = _torch_fused_adamw(refs, hps)
-    untouched = [(t.value().clone(), t.grad().clone()) for t in _tensors(params, 5, rank)]  # type: ignore[union-attr]
+    untouched = (rows.values[5].clone(), rows.grads[5].clone())
     sizes: list[int] = []
     real = torch._fused_adamw_
 
@@ -271,29 +272,23 @@ def test_consecutive_slots_are_updated_as_pooled_rows_bit_equal_to_torch_per_slo
         real(params_, *args, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr(torch, "_fused_adamw_", counting)
-    opt = _optimizer(device)
+    opt = _rows_optimizer(device, rows)
     for step in range(1, 4):
-        if step == 3:  # new gradient tensors: views made of the old ones must not be reused
-            for p in params:
-                p.grad = p.grad.clone()  # type: ignore[union-attr]
         for s in hps:
             for r, g in zip(refs[s], _set_grads(params, s, rank, gen, 1e-2), strict=True):
                 r.grad = g.clone()
         sizes.clear()
         reports = opt.step_many([(s, _tensors(params, s, rank), hp) for s, hp in hps.items()])
-        assert sorted(sizes) == ([4, 8] if aligned or device == "cuda" else [4, 16]), sizes
+        assert sorted(sizes) == [1, 2], sizes
         for s in hps:
             ref_opts[s].step()
             assert reports[s].applied and reports[s].step == step, (s, reports[s])
             for t, r in zip(_tensors(params, s, rank), refs[s], strict=True):
                 assert torch.equal(t.value(), r.detach()), (step, s, t.name)
-                assert float(t.grad().abs().max()) == 0, (s, t.name)  # type: ignore[union-attr]
-    for (value, grad), t in zip(untouched, _tensors(params, 5, rank), strict=True):
-        assert torch.equal(value, t.value()) and torch.equal(grad, t.grad())  # type: ignore[arg-type]
-        assert (
-            float(opt.exp_avg[t.name][5].abs().max()) == 0
-            and float(opt.exp_avg_sq[t.name][5].abs().max()) == 0
-        )
+            assert int(torch.count_nonzero(rows.grads[s])) == 0, s
+    assert torch.equal(rows.values[5], untouched[0]) and torch.equal(rows.grads[5], untouched[1])
+    assert opt.exp_avg_rows is not None and opt.exp_avg_sq_rows is not None
+    assert int(torch.count_nonzero(opt.exp_avg_rows[5])) == 0 and int(torch.count_nonzero(opt.exp_avg_sq_rows[5])) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -319,19 +314,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pooled_rows_are_clipped_by_each_slots_own_norm_as_when_stepped_alone(device: str) -> None:
-    """Slots 0-3 of a pool whose every slot trains whole rows are clipped (a clip norm far below
+    """Slots 0-3 of a pool's rows, every slot training its whole row, are clipped (a clip norm far below
     their gradients' norms) and stepped in one call; on copies of the same pool each of them is
     stepped alone. Their reported norms, weights and moments are bit-identical both ways (a
     slot's norm and clip coefficient come from its own rows only), and slot 4, which is not
     stepped and holds a pending gradient with a NaN, keeps that gradient bit for bit."""
     rank, slots = 4, 5
     hp = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1, grad_clip_norm=1e-3)
-    pools = [_rows_pool(slots, rank, device, seed=11, aligned=True) for _ in range(2)]
+    built = [_rows_pool(slots, rank, device, seed=11) for _ in range(2)]
+    pools = [params for _, params in built]
     for params in pools:
         _set_grads(params, 4, rank, torch.Generator(device=device).manual_seed(12), 1.0)
         params[0].grad[4, 0, 0] = float("nan")  # type: ignore[index]
     pending = [_bits(t.grad()) for t in _tensors(pools[0], 4, rank)]  # type: ignore[arg-type]
-    together, alone = _optimizer(device), _optimizer(device)
+    together, alone = _rows_optimizer(device, built[0][0]), _rows_optimizer(device, built[1][0])
     for step in range(2):
         for params in pools:
             gen = torch.Generator(device=device).manual_seed(13 + step)
