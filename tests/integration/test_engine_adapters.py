@@ -157,6 +157,23 @@ async def test_an_unreachable_engine_is_unavailable_not_a_refusal(data_root: Pat
         await pool.close()
 
 
+async def test_a_connection_reset_as_it_opens_is_unavailable_not_a_failure() -> None:
+    """anyio's stream of a connection the engine reset as it opened (killed at that moment) has no
+    socket, and httpcore's first look at it raises ``AttributeError`` from ``None.getpeername``
+    (the transport below raises exactly that): a call is ``EngineUnavailable``, which the sample
+    waits out, not an error that fails it."""
+
+    def reset_as_it_opens(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    url = "http://127.0.0.1:9"
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reset_as_it_opens)) as http:
+        with pytest.raises(sglang.EngineUnavailable, match="getpeername"):
+            await sglang.generate(http, url, GREEDY)
+        with pytest.raises(sglang.EngineUnavailable, match="getpeername"):
+            await sglang.check_engine(http, url, ())
+
+
 async def test_an_engine_of_the_pool_s_base_model_serves_and_one_of_another_gets_no_work(
     client: httpx.AsyncClient, snapshots: list[Adapter], data_root: Path, model_dir: Path
 ) -> None:

@@ -74,12 +74,19 @@ _outputs = msgspec.json.Decoder(list[Output] | Output)
 _lora_update = msgspec.json.Decoder(LoRAUpdate)
 
 
+SOCKET_GONE = (httpx.TransportError, AttributeError)
+"""What a call to an engine raises when the engine cannot be reached: httpx's transport errors
+(refused, reset mid-answer, timed out connecting), and the ``AttributeError`` anyio's socket
+stream raises for a connection reset as it opened (the engine killed at that moment: the stream
+holds no socket, and httpcore's first look at it reads ``None.getpeername``). Only the HTTP
+client's own code runs inside these calls, so an ``AttributeError`` there is that case."""
+
+
 async def _post(client: httpx.AsyncClient, url: str, route: str, body: dict[str, Any]) -> httpx.Response:
+    content = msgspec.json.encode(body)
     try:
-        response = await client.post(
-            f"{url}{route}", content=msgspec.json.encode(body), headers={"content-type": "application/json"}
-        )
-    except httpx.TransportError as exc:  # refused, reset mid-answer, timed out connecting
+        response = await client.post(f"{url}{route}", content=content, headers={"content-type": "application/json"})
+    except SOCKET_GONE as exc:
         raise EngineUnavailable(url, f"{type(exc).__name__}: {exc}") from exc
     if response.status_code in UNAVAILABLE_STATUS:
         raise EngineUnavailable(url, f"HTTP {response.status_code} from {route}: {response.text[:200]}")
@@ -221,7 +228,7 @@ async def check_engine(
         if health.status_code != 200:
             raise EngineUnavailable(url, f"GET /health answered {health.status_code} (starting or unhealthy)")
         response = await client.get(f"{url}/get_model_info", timeout=timeout_s)
-    except httpx.HTTPError as exc:  # refused, reset, timed out: or something that does not speak HTTP
+    except (httpx.HTTPError, *SOCKET_GONE) as exc:  # refused, reset, timed out, or does not speak HTTP
         raise EngineUnavailable(url, f"does not answer HTTP: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
     try:
         if response.status_code != 200:
