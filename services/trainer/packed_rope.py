@@ -88,24 +88,30 @@ def _probe(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
     from megatron.core.models.common.embeddings import rope_utils
 
     try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        tokens, heads = 37, 3
-        x = torch.randn(tokens, heads + 2, dim, generator=gen, device=device).to(dtype)[:, :heads]
-        grad = torch.randn(tokens, heads, dim, generator=gen, device=device).to(dtype)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-        f = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv)
-        freqs = torch.cat([f, f], dim=-1)[:, None, None, :]
-        cos, sin = (torch.cos(freqs) * 1.0).to(dtype)[:, 0, 0], (torch.sin(freqs) * 1.0).to(dtype)[:, 0, 0]
-        got_x, ref_x = x.detach().requires_grad_(), x.detach().clone().requires_grad_()
-        got = _FusedRope.apply(got_x, cos, sin)
-        ref = rope_utils._apply_rotary_pos_emb_bshd(ref_x.unsqueeze(1), freqs).squeeze(1)
-        got.backward(grad)
-        ref.backward(grad)
-        got_grad, ref_grad = got_x.grad, ref_x.grad
-        assert got_grad is not None and ref_grad is not None
-        return bool(torch.equal(got, ref)) and bool(torch.equal(got_grad, ref_grad))
+        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
+            return _probe_with_grad(rope_utils, device, dtype, dim)
     except Exception:  # any failure to compile or run (Triton raises several types): megatron's path
         return False
+
+
+def _probe_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """``_probe``'s comparison, with autograd on."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, heads = 37, 3
+    x = torch.randn(tokens, heads + 2, dim, generator=gen, device=device).to(dtype)[:, :heads]
+    grad = torch.randn(tokens, heads, dim, generator=gen, device=device).to(dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    f = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv)
+    freqs = torch.cat([f, f], dim=-1)[:, None, None, :]
+    cos, sin = (torch.cos(freqs) * 1.0).to(dtype)[:, 0, 0], (torch.sin(freqs) * 1.0).to(dtype)[:, 0, 0]
+    got_x, ref_x = x.detach().requires_grad_(), x.detach().clone().requires_grad_()
+    got = _FusedRope.apply(got_x, cos, sin)
+    ref = rope_utils._apply_rotary_pos_emb_bshd(ref_x.unsqueeze(1), freqs).squeeze(1)
+    got.backward(grad)
+    ref.backward(grad)
+    got_grad, ref_grad = got_x.grad, ref_x.grad
+    assert got_grad is not None and ref_grad is not None
+    return bool(torch.equal(got, ref)) and bool(torch.equal(got_grad, ref_grad))
 
 
 def _rope_thd(
