@@ -269,17 +269,23 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 9):
         return False
     try:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
-        w = torch.randn(3, 8, 16, generator=gen).to(device, dtype).requires_grad_()  # [G, r, in]
-        offsets = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)  # an empty group too
-        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-        y.backward(torch.ones_like(y))
-        ref = torch.cat([x[:5] @ w[0].t(), x[5:13] @ w[2].t()])
-        tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
-        return bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max())))
+        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
+            return _grouped_mm_agrees(device, dtype)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
+
+
+def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """A small grouped matmul, forward and backward, against the per-group products."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.randn(3, 8, 16, generator=gen).to(device, dtype).requires_grad_()  # [G, r, in]
+    offsets = torch.tensor([5, 5, 13], dtype=torch.int32, device=device)  # an empty group too
+    y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    y.backward(torch.ones_like(y))
+    ref = torch.cat([x[:5] @ w[0].t(), x[5:13] @ w[2].t()])
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    return bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max())))
 
 
 class SlotAdapter(nn.Module):

@@ -201,3 +201,17 @@ def test_a_bf16_forward_scales_b_in_fp32(engine: TrainerEngine, module: str, pat
     for param in (adapter.lora_A, adapter.lora_B):
         assert param.grad is not None
         param.grad.zero_()  # in place: the grads are views of the pool's rows
+
+
+def test_the_grouped_matmul_probe_answers_alike_inside_a_forward_only_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time probe of ``torch._grouped_mm`` runs a backward: made first inside a
+    forward-only call (no grad, inference mode) it still finds the CPU's grouped matmul usable,
+    so a forward-only first batch never turns the grouped path off for the process."""
+    from services.trainer import lora
+
+    monkeypatch.setattr(lora, "_GROUPED_OK", {})
+    with torch.inference_mode():
+        assert lora.grouped_mm_supported(torch.zeros(1))
+    monkeypatch.setattr(lora, "_GROUPED_OK", {})
+    with torch.no_grad():
+        assert lora.grouped_mm_supported(torch.zeros(1))

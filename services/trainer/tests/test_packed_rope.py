@@ -53,3 +53,15 @@ def test_packed_rope_equals_megatron_per_document_forward_and_backward(device: s
     ref.backward(grad)
     assert got_t.grad is not None and ref_t.grad is not None
     assert torch.equal(got_t.grad, ref_t.grad)
+
+
+@cuda
+def test_the_kernel_probe_accepts_inside_a_forward_only_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs a backward: made first inside a forward-only call (no grad, inference
+    mode) it still accepts the kernel on this device."""
+    freqs = _freqs(64, 128, "cuda")
+    for context in (torch.no_grad, torch.inference_mode):
+        monkeypatch.setattr(packed_rope, "_FUSED_OK", {})
+        with context():
+            t = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
+            assert packed_rope.fused_rope_supported(t, freqs, False, False)
