@@ -63,7 +63,7 @@ def test_killing_the_requests_leader_under_load_loses_nothing(stack: Stack) -> N
     """The workload with the leader of the requests stream killed mid-run completes, equals the
     fault-free run of the same workload, the stream has a new leader, and nothing ran twice."""
     reference = run_workload(stack.base_url, stack.data_dir, tenants=TENANTS, key="cluster-ref")
-    assert not [r.error for r in reference if r.error], [repr(r.error) for r in reference]
+    assert not [r.error for r in reference if r.error], ([repr(r.error) for r in reference], stack.dump_logs())
     killed: list[str] = []
 
     def kill_leader() -> None:
@@ -78,7 +78,7 @@ def test_killing_the_requests_leader_under_load_loses_nothing(stack: Stack) -> N
         trigger.stop()
     assert trigger.error is None, trigger.error
     assert killed, "the leader was never killed"
-    assert not [r.error for r in runs if r.error], [repr(r.error) for r in runs]
+    assert not [r.error for r in runs if r.error], ([repr(r.error) for r in runs], stack.dump_logs())
     assert not differences(runs, {r.tenant: r for r in reference})
     assert stream_state(stack, s.STREAM_REQUESTS)[0] != killed[0]
     stack.restart_nats_node(stack.cluster.index_of(killed[0]))  # type: ignore[union-attr]
