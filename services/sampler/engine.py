@@ -7,11 +7,12 @@ Scheduling.  ``generate`` validates and enqueues one row per sequence and awaits
 future.  One worker thread owns the model's torch work (and the event loop never blocks);
 an adapter handed over from another process's memory is opened, validated and copied by the
 thread of its request meanwhile, outside any CUDA graph capture (``_device_lock``), and
-reaches the worker's pool slots only at admission.  Each iteration the worker (1) drops rows whose caller went away, (2) admits waiting rows up to
-``max_batch_size`` and prefills them together (left-padded, each with its own adapter),
-sampling their first token, (3) runs one decode step for every running row with the KV
-cache, and (4) retires finished rows.  New requests therefore join a running batch at
-the next step boundary instead of waiting for it to drain.
+reaches the worker's pool slots only at admission.  Each iteration the worker (1) drops
+rows whose caller went away, (2) admits waiting rows up to ``max_batch_size`` and prefills
+them together (left-padded, each with its own adapter), sampling their first token, (3)
+runs one decode step for every running row with the KV cache, and (4) retires finished
+rows.  New requests therefore join a running batch at the next step boundary instead of
+waiting for it to drain.
 
 Numerics.  Reported logprobs are ``log_softmax`` of the fp32 logits at temperature 1,
 the same quantity a trainer forward computes; sampling applies temperature/top-k/top-p
