@@ -262,14 +262,19 @@ class SlotAdamW:
         fused update."""
         if not requests:
             return {}
-        views = [self._views(slot, tensors) for slot, tensors, _ in requests]
-        presents = [[g for g in v.grads if g is not None] for v in views]
         device = next((t[0].param.device for _, t, _ in requests if t), torch.device("cpu"))
         fusing = self.fused if self.fused is not None else device.type == "cuda"
         by_rows = fusing and self.rows is not None and self.rows.intact()
         plans = [self._row_plan(slot, tensors) if by_rows else None for slot, tensors, _ in requests]
+        # per-tensor views only for the slots stepped tensor by tensor (a row plan needs none)
+        views = [
+            self._views(slot, tensors) if plan is None else None
+            for (slot, tensors, _), plan in zip(requests, plans, strict=True)
+        ]
+        presents = [[g for g in v.grads if g is not None] if v is not None else [] for v in views]
         fused = [
-            fusing and bool(v.values) and (v.dense or p is not None) for v, p in zip(views, plans, strict=True)
+            p is not None or (fusing and v is not None and v.dense and bool(v.values))
+            for v, p in zip(views, plans, strict=True)
         ]
         known = [
             self._bounds.get(slot) if f else None for (slot, _, _), f in zip(requests, fused, strict=True)
@@ -285,6 +290,7 @@ class SlotAdamW:
                 norm_masks.append(self._mask(tuple(sharded), device))
                 states.append(tuple([t] for t in plan.state()) if m else None)
             else:
+                assert v is not None
                 norm_grads.append(present)
                 norm_masks.append(v.sharded)
                 states.append((v.values, v.exp_avg, v.exp_avg_sq) if m else None)
@@ -313,6 +319,9 @@ class SlotAdamW:
                 reports[slot] = StepReport(True, norm, step)
             else:
                 self._bounds.pop(slot, None)  # measured again before its next fused step
+                if v is None:  # a row plan the bound cannot certify: the checked path, per tensor
+                    v = self._views(slot, tensors)
+                    present = [g for g in v.grads if g is not None]
                 reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
         for (lr, beta1, beta2, eps, wd, step), members in groups.items():
             params: list[torch.Tensor] = []
@@ -323,7 +332,7 @@ class SlotAdamW:
             in_rows: list[int] = []
             for i in members:
                 v = views[i]
-                if plans[i] is not None:
+                if v is None:  # a row plan
                     in_rows.append(requests[i][0])
                     continue
                 params += v.values

@@ -430,3 +430,35 @@ def test_a_replaced_grad_is_stepped_from_that_grad_not_from_the_rows() -> None:
         results.append([t.value().clone() for t in tensors])
     for got, want in zip(results[0], results[1], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_plan_the_bound_cannot_certify_is_rolled_back_alone(device: str) -> None:
+    """The pool's rows: in one call, slot 0 with a learning rate that overflows float32 leaves the
+    whole-row update for the checked path, is reported as rolled back, and keeps its weights,
+    moments and step count; slot 1 in the same call is stepped exactly as
+    torch.optim.AdamW(fused=True) steps copies of its tensors."""
+    rank = 4
+    rows, params = _rows_pool(2, rank, device, seed=21)
+    gen = torch.Generator(device=device).manual_seed(22)
+    _set_grads(params, 0, rank, gen, 1e-2)
+    good_hp = AdamParams(learning_rate=1e-2)
+    ref = [nn.Parameter(t.value().detach().clone()) for t in _tensors(params, 1, rank)]
+    for r, g in zip(ref, _set_grads(params, 1, rank, gen, 1e-2), strict=True):
+        r.grad = g.clone()
+    opt = _rows_optimizer(device, rows)
+    before = rows.values[0].clone()
+    reports = opt.step_many(
+        [
+            (0, _tensors(params, 0, rank), AdamParams(learning_rate=1e38)),
+            (1, _tensors(params, 1, rank), good_hp),
+        ]
+    )
+    assert not reports[0].applied and reports[0].step == 0
+    assert reports[0].reason is not None and "rolled back" in reports[0].reason
+    assert torch.equal(rows.values[0], before) and 0 not in opt.steps
+    assert opt.exp_avg_rows is not None and int(torch.count_nonzero(opt.exp_avg_rows[0])) == 0
+    assert int(torch.count_nonzero(rows.grads[0])) == 0
+    _torch_fused_adamw({1: ref}, {1: good_hp})[1].step()
+    assert reports[1].applied and reports[1].step == 1
+    assert all(torch.equal(t.value(), r.detach()) for t, r in zip(_tensors(params, 1, rank), ref, strict=True))
