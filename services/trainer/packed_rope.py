@@ -52,10 +52,14 @@ def _tables(
     if cached is None or not (
         cached[0] is freqs and cached[1] is positions and cached[2] == dtype and cached[3] == mscale
     ):
-        f = freqs[positions].reshape(positions.shape[0], freqs.shape[-1])
-        tables = ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))
+        tables = _cos_sin(freqs[positions].reshape(positions.shape[0], freqs.shape[-1]), dtype, mscale)
         _cache.update(tables_key=(freqs, positions, dtype, mscale), tables=tables)
     return _cache["tables"]
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's ``(cos(freqs) * mscale).to(dtype)`` and the same of sin, elementwise."""
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
 _FUSED_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
@@ -103,7 +107,7 @@ def _probe_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, 
     inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     f = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv)
     freqs = torch.cat([f, f], dim=-1)[:, None, None, :]
-    cos, sin = (torch.cos(freqs) * 1.0).to(dtype)[:, 0, 0], (torch.sin(freqs) * 1.0).to(dtype)[:, 0, 0]
+    cos, sin = _cos_sin(freqs[:, 0, 0], dtype, 1.0)  # [T, d], the tables a forward builds
     got_x, ref_x = x.detach().requires_grad_(), x.detach().clone().requires_grad_()
     got = _FusedRope.apply(got_x, cos, sin)
     ref = rope_utils._apply_rotary_pos_emb_bshd(ref_x.unsqueeze(1), freqs).squeeze(1)
