@@ -596,7 +596,7 @@ class PooledRows:
         slots = routed_slots(routing)
         key = (routing.generation, dtype)
         if self._computed_for != key:
-            self._compute = None  # this forward's graph keeps its own, if any
+            self._compute = None  # released first: its memory is reused unless a graph still holds it
             buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
             with torch.no_grad():
                 for i, slot in enumerate(slots):
