@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import numpy as np
 import torch
 
@@ -299,20 +300,26 @@ class Bench:
                     if self.args.quick and (batch, n_adapters) not in ((1, 1), (8, 8), (64, 1), (64, 8)):
                         continue
                     run(requests(batch, n_adapters, 5, self.new, self.prompt))  # captures the graphs
-                    wall, res = run(requests(batch, n_adapters, 7, self.new, self.prompt))
-                    gaps = np.diff(stamps)[2:]
-                    step = float(np.median(gaps)) if len(gaps) else float("nan")
-                    self.row(
-                        "decode",
-                        {
-                            "batch": batch,
-                            "adapters": n_adapters,
-                            "ms_per_step": step * 1e3,
-                            "tok_s": batch / step,
-                            "wall_s": wall,
-                            "tokens": sum(len(r.output_ids) for r in res),
-                        },
-                    )
+                    # the default (steps launched ahead of the host's read), then step by step
+                    lookaheads = (True, False) if (batch, n_adapters) in ((1, 1), (8, 8), (64, 8)) else (True,)
+                    for lookahead in lookaheads:
+                        engine.config = msgspec.structs.replace(engine.config, decode_lookahead=lookahead)
+                        wall, res = run(requests(batch, n_adapters, 7, self.new, self.prompt))
+                        gaps = np.diff(stamps)[2:]
+                        step = float(np.median(gaps)) if len(gaps) else float("nan")
+                        self.row(
+                            "decode",
+                            {
+                                "batch": batch,
+                                "adapters": n_adapters,
+                                "lookahead": lookahead,
+                                "ms_per_step": step * 1e3,
+                                "tok_s": batch / step,
+                                "wall_s": wall,
+                                "tokens": sum(len(r.output_ids) for r in res),
+                            },
+                        )
+                    engine.config = msgspec.structs.replace(engine.config, decode_lookahead=True)
             with torch.inference_mode():
                 self.profile(engine)
             for label, batch, length in (("64x128", 64, 128), ("1x2048", 1, 2048)):
@@ -460,6 +467,7 @@ class Bench:
             "decode": [
                 ("batch", "batch"),
                 ("adapters", "adapters"),
+                ("lookahead", "lookahead"),
                 ("ms/step", "ms_per_step"),
                 ("tok/s", "tok_s"),
             ],
@@ -481,7 +489,7 @@ class Bench:
         ratios = [
             {"batch": r["batch"], "adapters": r["adapters"], "x": r["tok_s"] / hf[r["batch"]]}
             for r in self.tables.get("decode", [])
-            if r["batch"] in hf
+            if r["batch"] in hf and r["lookahead"]
         ]
         if ratios:
             cols = [("batch", "batch"), ("adapters", "adapters"), ("x HF static compiled", "x")]

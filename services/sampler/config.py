@@ -46,6 +46,9 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True):
     CUDA, ``hf`` on the CPU)."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (one per batch-size and cache-length bucket)."""
+    decode_lookahead: bool = True
+    """Launch each decode step of the static engine before the host has read the one before it
+    (inputs from the device), so the device does not wait for the host's part of a step."""
     prefill_tokens: int = 16384
     """Most prompt tokens (padded) one prefill pass of the static engine admits."""
 

@@ -31,6 +31,15 @@ registry, and replaces its forward passes:
   vectors (tokens, positions, slots), replays, and reads back one (2, B) tensor of greedy tokens
   and their logprobs, computed inside the graph: one host sync per step.  Greedy rows are decided inside the graph; rows that sample
   use their own seeded ``torch.Generator`` on the device (``sampling.choose_token_tensor``).
+* **Look-ahead.**  While the host reads a step's tokens and checks its rows' stop conditions,
+  the device already runs the next step (``SamplerConfig.decode_lookahead``): its inputs are the
+  chosen tokens, still on the device, and every position plus one, so the GPU does not idle
+  for the host's part of a step.  A step is launched ahead only for the same rows (none finished
+  or joined since the one it follows), while no request waits for admission, and while some
+  row can still outlive its ``max_new_tokens``; a row that stops on a stop token meanwhile has
+  one step computed for nothing, whose results are dropped (its cache row is freed as usual).
+  What each row receives is exactly what the step-by-step loop gives it: the same tokens, from
+  the same generator draws.
 
 Numerics: the same function as ``HFEngine`` (temperature-1 ``log_softmax`` of fp32 logits);
 on CUDA the model runs in bf16 (logits cast to fp32 before the softmax).
@@ -126,6 +135,22 @@ class _Graph:
         self.outputs = outputs
 
 
+@dataclass(slots=True)
+class _Step:
+    """A decode step launched on the device whose results the host has not read yet.
+
+    ``index[j]`` is the column of running row ``j``'s result (rows that finished since the
+    launch are left out); ``chosen`` holds the tokens chosen, on the device (a step launched
+    ahead reads them as its inputs); ``host`` receives (token, logprob) rows by a copy that
+    ``ready`` marks done (None: already done, on the CPU)."""
+
+    index: list[int]
+    chosen: torch.Tensor
+    host: torch.Tensor
+    ready: Any
+    tops: list[list[TopK]]
+
+
 class StaticCacheEngine(HFEngine):
     """``HFEngine`` with a static KV cache, pooled LoRA slots and CUDA-graph decode steps."""
 
@@ -190,6 +215,14 @@ class StaticCacheEngine(HFEngine):
                 3, self._max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda"
             )
             self._arange = torch.arange(self._max_batch, device=self.device)
+            # (token, logprob) rows of a step read back; two: a step launched ahead of an unread one
+            self._host_outputs = [
+                torch.zeros(2, self._max_batch, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+                for _ in range(2)
+            ]
+            self._copied = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else None
+        self._next_output = 0
+        self._ahead: _Step | None = None  # launched ahead of the running rows' last read
         self._batch_buckets = _buckets(self._max_batch, 1)
         self._window_buckets = _buckets(self._context, min(MIN_WINDOW, self._context))
         self._span_buckets = _buckets(self._pool.slots, 1)
@@ -227,23 +260,39 @@ class StaticCacheEngine(HFEngine):
     def _reset_batch(self) -> None:
         super()._reset_batch()
         self._pos, self._slot, self._pending = [], [], []
+        self._ahead = None
 
     def _retain(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (increasing): each moves down to cache row ``j``."""
+        # columns [0, pos) hold a row's keys and values, and column pos too while a step launched
+        # ahead writes it (the copies run after that step: one stream)
+        extra = 0 if self._ahead is None else 1
         for j, src in enumerate(keep):
             if src != j:
-                used = self._pos[src]  # columns [0, pos) hold the row's keys and values
+                used = self._pos[src] + extra
                 self._k[:, j, :, :used].copy_(self._k[:, src, :, :used])
                 self._v[:, j, :, :used].copy_(self._v[:, src, :, :used])
         self._rows = [self._rows[i] for i in keep]
         self._pos = [self._pos[i] for i in keep]
         self._slot = [self._slot[i] for i in keep]
         self._pending = [self._pending[i] for i in keep]
+        if self._ahead is not None:
+            self._ahead.index = [self._ahead.index[i] for i in keep]
+            if not keep:
+                self._ahead = None
 
     def _drop_abandoned(self) -> None:
+        if self._ahead is not None and any(row.future.done() for row in self._rows):
+            self._settle()
         keep = [i for i, row in enumerate(self._rows) if not row.future.done()]
         if len(keep) < len(self._rows):
             self._retain(keep)
+
+    def _settle(self) -> None:
+        """Read the step launched ahead, if any: the running rows are then as the host knows them."""
+        step, self._ahead = self._ahead, None
+        if step is not None:
+            self._process(step)
 
     # ----------------------------------------------------------------- model pieces
 
@@ -405,6 +454,7 @@ class StaticCacheEngine(HFEngine):
 
     def _prefill(self, rows: list[_Row]) -> None:
         """Prompts of ``rows`` into cache rows ``[n, n + k)``; sample each row's first token."""
+        self._settle()
         self._counts["prefill_batches"] += 1
         self._counts["max_prefill_batch"] = max(self._counts["max_prefill_batch"], len(rows))
         start, k = len(self._rows), len(rows)
@@ -487,20 +537,51 @@ class StaticCacheEngine(HFEngine):
         row.input_top = tops if row.req.top_logprobs_num else []
 
     def _decode_step(self) -> None:
+        """Read one step of the running rows, first launching the next one where it may run ahead."""
+        step = self._ahead if self._ahead is not None else self._launch(after=None)
+        self._ahead = self._launch(after=step) if self._may_look_ahead(step) else None
+        self._process(step)
+
+    def _may_look_ahead(self, step: _Step) -> bool:
+        """Whether the step after ``step`` may run before ``step`` is read (module docstring):
+        the same rows, no request waiting to join, a free cache column for every row, and some
+        row that does not reach its ``max_new_tokens`` with ``step``'s token."""
+        return (
+            self.config.decode_lookahead
+            and step.index == list(range(step.chosen.shape[0]))  # ``index`` follows the running rows
+            and not self._waiting
+            and max(self._pos) + 1 < self._context
+            and any(len(row.output_ids) + 1 < row.max_new_tokens for row in self._rows)
+        )
+
+    def _launch(self, after: _Step | None) -> _Step:
+        """Launch a decode step of the running rows: from the host's lists, or, ``after`` a step not
+        read yet, from its chosen tokens on the device at every position plus one."""
         n = len(self._rows)
         self._counts["decode_steps"] += 1
         self._counts["max_decode_batch"] = max(self._counts["max_decode_batch"], n)
         b = _bucket(n, self._batch_buckets)
-        window = _bucket(max(self._pos) + 1, self._window_buckets)
-        host = self._host_inputs
-        host[:, n:b] = 0
-        host[2, n:b] = -1
-        host[0, :n] = torch.tensor(self._pending, dtype=torch.long)
-        host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
-        host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
-        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        if after is None:
+            window = _bucket(max(self._pos) + 1, self._window_buckets)
+            host = self._host_inputs
+            host[:, n:b] = 0
+            host[2, n:b] = -1
+            host[0, :n] = torch.tensor(self._pending, dtype=torch.long)
+            host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
+            host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
+            self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        else:  # the inputs of ``after`` are still in place for rows [0, b): no host copy
+            self._counts["lookahead_steps"] += 1
+            window = _bucket(max(self._pos) + 2, self._window_buckets)
+            self._inputs[0, :n].copy_(after.chosen)
+            self._inputs[1, :n].add_(1)
         logits, greedy, packed = self._step_outputs(b, window, self.slot_span(self._slot))
-        tokens, values, tops = self._choose(self._rows, logits[:n], greedy[:n], packed[:, :n])
+        return self._stage(self._rows, logits[:n], greedy[:n], packed[:, :n])
+
+    def _process(self, step: _Step) -> None:
+        """Record ``step``'s token of every running row; rows that finished leave the batch."""
+        tokens, values, tops = self._read(step)
+        n = len(self._rows)
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             self._pos[i] += 1
@@ -513,13 +594,19 @@ class StaticCacheEngine(HFEngine):
     def _choose(
         self, rows: list[_Row], logits: torch.Tensor, greedy: torch.Tensor, packed: torch.Tensor
     ) -> tuple[list[int], list[float], list[list[TopK]]]:
-        """Next token, its logprob and top logprobs of every row, with one host sync (two with tops).
+        """Next token, its logprob and top logprobs of every row (``_stage``, then ``_read``)."""
+        return self._read(self._stage(rows, logits, greedy, packed))
+
+    def _stage(self, rows: list[_Row], logits: torch.Tensor, greedy: torch.Tensor, packed: torch.Tensor) -> _Step:
+        """Choose every row's next token on the device and start copying (token, logprob) rows
+        to the host; top logprobs, where a row asks for them, are read here (a second sync).
 
         ``packed`` (2, n): the greedy tokens and their logprobs; a batch of greedy rows without
-        top logprobs reads only that."""
+        top logprobs copies only that, the graph's own output."""
         sampled = [i for i, row in enumerate(rows) if not is_greedy(row.req.temperature, row.req.top_k)]
         wanted = [i for i, row in enumerate(rows) if row.req.top_logprobs_num]
         logprobs = torch.log_softmax(logits, dim=-1) if sampled or wanted else None
+        chosen = greedy
         if sampled and logprobs is not None:
             chosen = greedy.clone()
             for i in sampled:
@@ -534,9 +621,6 @@ class StaticCacheEngine(HFEngine):
                 )
             picked = logprobs.gather(1, chosen[:, None])[:, 0]
             packed = torch.stack([chosen.double(), picked.double()])
-        host = packed.cpu()
-        tokens = [int(t) for t in host[0].tolist()]
-        values = host[1].tolist()
         tops: list[list[TopK]] = [[] for _ in rows]
         if wanted and logprobs is not None:
             k = max(rows[i].req.top_logprobs_num for i in wanted)
@@ -544,7 +628,27 @@ class StaticCacheEngine(HFEngine):
             for i, v, t in zip(wanted, top_v.tolist(), top_i.tolist(), strict=True):
                 n = rows[i].req.top_logprobs_num
                 tops[i] = [list(zip(v[:n], t[:n], strict=True))]
-        return tokens, values, tops
+        which, self._next_output = self._next_output, self._next_output ^ 1  # at most two unread
+        host = self._host_outputs[which]
+        ready = None if self._copied is None else self._copied[which]
+        host[:, : len(rows)].copy_(packed, non_blocking=ready is not None)
+        if ready is not None:
+            ready.record()
+        return _Step(list(range(len(rows))), chosen, host, ready, tops)
+
+    @staticmethod
+    def _read(step: _Step) -> tuple[list[int], list[float], list[list[TopK]]]:
+        """The (token, logprob, tops) of each running row from ``step``: waits for its copy only,
+        not for a step launched after it."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = [int(t) for t in step.host[0].tolist()]
+        values = step.host[1].tolist()
+        return (
+            [tokens[i] for i in step.index],
+            [values[i] for i in step.index],
+            [step.tops[i] for i in step.index],
+        )
 
     def _record(self, row: _Row, token: int, logprob: float, top: list[TopK]) -> bool:
         """Append one sampled token to ``row``; finish it if a stop condition holds. True when finished."""

@@ -165,6 +165,8 @@ class EngineCounters(msgspec.Struct, kw_only=True):
     max_prefill_batch: int
     adapter_loads: int
     adapter_evictions: int
+    lookahead_steps: int = 0
+    """Decode steps launched before the host had read the step before them (static engine)."""
     running_sequences: int = 0
     """Sequences in the batch or waiting to join it, now (not cumulative)."""
 

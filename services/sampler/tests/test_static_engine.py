@@ -115,6 +115,54 @@ def test_non_finite_adapters_are_refused(
     assert "nan" not in body["loaded_adapters"]
 
 
+def _generate_all(config: SamplerConfig, adapters: dict[str, Path], reqs: list[SequenceRequest]) -> tuple[Any, Any]:
+    """``reqs`` submitted in one call (admitted together) on a fresh engine: results, counters."""
+    eng = StaticCacheEngine(config)
+    try:
+
+        async def run() -> Any:
+            for name, path in adapters.items():
+                await eng.load_adapter(name, str(path))
+            return await eng.generate(reqs)
+
+        return asyncio.run(run()), eng.counters()
+    finally:
+        eng.close()
+
+
+def test_decoding_ahead_of_the_host_gives_the_rows_of_step_by_step_decoding(
+    model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """One batch of greedy and seeded sampled rows, with adapters, top logprobs, and rows that end
+    at different steps (by length, at the prefill, on a stop token while others go on), decoded
+    with steps launched ahead of the host's read and step by step: the same tokens, finish
+    reasons and top-logprob tokens, logprobs within 1e-4 (a step launched ahead still carries a
+    row that just finished, so a batch can be one row larger than step by step: fp32 GEMMs of
+    another shape), and steps really were launched ahead."""
+    adapters = {name: adapter_dirs[name] for name in ("ad0", "ad1", "ad2")}
+    probe = [SequenceRequest(input_ids=[3, 3, 3], max_new_tokens=9, temperature=0.0, lora_name="ad2")]
+    (free,), _ = _generate_all(static_config(model_dir, decode_lookahead=False), adapters, probe)
+    stop = free.output_ids[4]  # this row stops on its 5th token while the others go on
+    reqs = [
+        SequenceRequest(input_ids=[5, 6, 7], max_new_tokens=12, temperature=0.0, lora_name="ad0"),
+        SequenceRequest(input_ids=[1, 2, 3, 4], max_new_tokens=10, temperature=0.9, top_p=0.9, seed=3, lora_name="ad1"),
+        SequenceRequest(input_ids=[9, 8], max_new_tokens=7, temperature=1.0, seed=5, top_logprobs_num=3),
+        SequenceRequest(input_ids=[9, 8, 7], max_new_tokens=1, temperature=0.0),
+        SequenceRequest(input_ids=[3, 3, 3], max_new_tokens=9, temperature=0.0, stop_token_ids=[stop], lora_name="ad2"),
+    ]
+    ahead, ahead_counts = _generate_all(static_config(model_dir), adapters, reqs)
+    steps, step_counts = _generate_all(static_config(model_dir, decode_lookahead=False), adapters, reqs)
+    assert ahead_counts.lookahead_steps > 0 and step_counts.lookahead_steps == 0
+    assert [len(r.output_ids) for r in steps] == [12, 10, 7, 1, 5]  # the endings the case meant
+    for a, b in zip(ahead, steps, strict=True):
+        assert (a.output_ids, a.finish_kind, a.finish_matched) == (b.output_ids, b.finish_kind, b.finish_matched)
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True)) <= 1e-4
+        for top_a, top_b in zip(a.output_top_logprobs, b.output_top_logprobs, strict=True):
+            assert [t for _, t in top_a] == [t for _, t in top_b]
+            assert max(abs(x - y) for (x, _), (y, _) in zip(top_a, top_b, strict=True)) <= 1e-4
+    assert any(a.output_top_logprobs for a in ahead)
+
+
 # ---------------------------------------------------------------- CUDA (bf16, graphs)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -127,19 +175,25 @@ CUDA_CASES = [
 
 
 def _cuda_generate(
-    model_dir: Path, adapter_dirs: dict[str, Path], graphs: bool
+    model_dir: Path, adapter_dirs: dict[str, Path], graphs: bool, lookahead: bool = True
 ) -> list[tuple[list[int], list[float]]]:
     eng = StaticCacheEngine(
-        SamplerConfig(model_path=str(model_dir), device="cuda", cuda_graphs=graphs, max_batch_size=8)
+        SamplerConfig(
+            model_path=str(model_dir), device="cuda", cuda_graphs=graphs, max_batch_size=8, decode_lookahead=lookahead
+        )
     )
     try:
 
         async def run() -> list[tuple[list[int], list[float]]]:
             for name in {a for _, a in CUDA_CASES if a is not None}:
                 await eng.load_adapter(name, str(adapter_dirs[name]))
+            # the first row ends while the others go on: a step launched ahead carries it once
+            # more, in the same batch bucket (4) as the step-by-step step without it
             reqs = [
-                SequenceRequest(input_ids=p, max_new_tokens=12, temperature=0.0, ignore_eos=True, lora_name=a)
-                for p, a in CUDA_CASES
+                SequenceRequest(
+                    input_ids=p, max_new_tokens=6 if i == 0 else 12, temperature=0.0, ignore_eos=True, lora_name=a
+                )
+                for i, (p, a) in enumerate(CUDA_CASES)
             ]
             outs = await eng.generate(reqs)
             return [(o.output_ids, o.output_logprobs) for o in outs]
@@ -194,5 +248,20 @@ def test_cuda_graph_decode_equals_eager_decode(model_dir: Path, adapter_dirs: di
     graphed = _cuda_generate(model_dir, adapter_dirs, graphs=True)
     eager = _cuda_generate(model_dir, adapter_dirs, graphs=False)
     for (t1, l1), (t2, l2) in zip(graphed, eager, strict=True):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(l1, l2, strict=True)) <= 1e-3
+
+
+@cuda
+def test_cuda_graph_decode_ahead_of_the_host_equals_step_by_step_decode(
+    model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """Graph-replayed steps launched ahead of the host's read (inputs from the device, results
+    through pinned buffers and events) against step by step: the same tokens and logprobs to
+    1e-3 (every step runs in the same batch bucket either way; the row that ended is carried
+    once more by the step launched ahead, in place of a padding row)."""
+    ahead = _cuda_generate(model_dir, adapter_dirs, graphs=True)
+    steps = _cuda_generate(model_dir, adapter_dirs, graphs=True, lookahead=False)
+    for (t1, l1), (t2, l2) in zip(ahead, steps, strict=True):
         assert t1 == t2
         assert max(abs(a - b) for a, b in zip(l1, l2, strict=True)) <= 1e-3
