@@ -488,10 +488,15 @@ class HFEngine:
             min_p=req.min_p,
             generator=row.generator,
         )
+        top = _top(logprobs[None], req.top_logprobs_num) if req.top_logprobs_num else []
+        return self._record(row, token, float(logprobs[token]), top)
+
+    def _record(self, row: _Row, token: int, logprob: float, top: list[TopK]) -> bool:
+        """Append one sampled token to ``row``; finish it if a stop condition holds. True when finished."""
+        req = row.req
         row.output_ids.append(token)
-        row.output_logprobs.append(float(logprobs[token]))
-        if req.top_logprobs_num:
-            row.output_top.extend(_top(logprobs[None], req.top_logprobs_num))
+        row.output_logprobs.append(logprob)
+        row.output_top.extend(top)
         self._counts["generated_tokens"] += 1
         finish = finish_reason(
             row.output_ids,

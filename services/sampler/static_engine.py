@@ -61,7 +61,7 @@ from services.sampler import decode_ops as ops
 from services.sampler.engine import HFEngine, _Row
 from services.sampler.interface import TopK
 from services.sampler.lora import LoadedAdapter, LoRAPool, PoolGroup
-from services.sampler.sampling import Finish, choose_token_tensor, finish_reason, is_greedy
+from services.sampler.sampling import Finish, choose_token_tensor, is_greedy
 
 DEFAULT_CONTEXT = 4096
 """Cache columns per row when ``context_length`` is not configured (the model may allow far more)."""
@@ -649,23 +649,3 @@ class StaticCacheEngine(HFEngine):
             [values[i] for i in step.index],
             [step.tops[i] for i in step.index],
         )
-
-    def _record(self, row: _Row, token: int, logprob: float, top: list[TopK]) -> bool:
-        """Append one sampled token to ``row``; finish it if a stop condition holds. True when finished."""
-        req = row.req
-        row.output_ids.append(token)
-        row.output_logprobs.append(logprob)
-        row.output_top.extend(top)
-        self._counts["generated_tokens"] += 1
-        finish = finish_reason(
-            row.output_ids,
-            max_new_tokens=row.max_new_tokens,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=row.stop_ids,
-            stop_strs=req.stop_strs,
-            decode=self._decode,
-        )
-        if finish is None:
-            return False
-        self._finish(row, finish)
-        return True
