@@ -157,6 +157,18 @@ class TrainerEngine:
         self.pool.init_slot(slot, lora)
         self.optimizer.reset_slot(slot)
         self._pending.discard(slot)
+        self._prepare_host_buffers(slot)
+
+    def _prepare_host_buffers(self, slot: int) -> None:
+        """Allocate, on background threads, the host buffers that a snapshot and a save of ``slot``
+        copy it into (pinned on CUDA: ``slot_state.HostBuffers``, ``slot_state.PinnedPool``), so
+        that no unit waits for the pinning. Only TP rank 0 keeps host copies."""
+        if tp_rank() != 0:
+            return
+        self.snapshot_buffers.prepare(slot, slot_state.host_layout(self.pool, slot), self.device.type == "cuda")
+        if self.save_buffers is not None:
+            saved = slot_state.host_layout(self.pool, slot, slot_state.SNAPSHOT_TABLES[:3])  # no gradients
+            self.save_buffers.prepare(slot_state.pinned_nbytes(saved), count=len(self.pool.configs))
 
     def release_slot(self, slot: int) -> None:
         """Forget everything about ``slot`` (weights, moments, step counter, gradients)."""
@@ -303,6 +315,7 @@ class TrainerEngine:
         self._touch([slot])
         slot_state.set_slot_state(self.pool, self.optimizer, slot, state, with_optimizer)
         self._pending.discard(slot)
+        self._prepare_host_buffers(slot)
 
     def export_peft(
         self, slot: int, state: SlotState | None = None

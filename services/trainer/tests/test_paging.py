@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.trainer.engine import AdamParams, EngineConfig, LoraConfig, TrainerEngine
-from services.trainer.state import paging, snapshots
+from services.trainer.state import paging, slots, snapshots
 from services.trainer.tests.helpers import ce_datum
 
 HP = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
@@ -251,3 +251,34 @@ def test_a_snapshot_copies_only_the_slots_changed_since_the_last_and_restores_al
     again = snapshots.capture(fresh, models, restored_store, data, "g", work_seq=3)
     assert set(again.slots) == set(models) and not again.reused
     shutil.rmtree(again.hold)
+
+
+def test_a_slots_snapshot_buffers_are_allocated_when_it_gets_a_model_not_by_the_snapshot(
+    engine: TrainerEngine, tmp_path: Path
+) -> None:
+    """Initialising a slot, and loading a state of another rank into it, prepares its snapshot
+    buffers (on a background thread) in the full layout of its tensors: the snapshot's copies
+    are those very buffers, and hold the slot's state."""
+    engine.init_slot(3, Y)
+    other_rank = engine.get_slot_state(3)
+    engine.init_slot(3, X)
+    engine.snapshot_buffers.ready()
+    first = next(t.name for t in engine.pool.slot_tensors(3))
+    tables = ("adapter", "exp_avg", "exp_avg_sq", "grad")
+    prepared = {table: engine.snapshot_buffers.holds(3, table, first) for table in tables}
+    _fb(engine, 3, 3)
+    engine.optim_step({3: HP})
+    _fb(engine, 3, 4)
+    captured = slots.capture(engine, 3, for_snapshot=True)
+    copies = {"adapter": captured.adapter, "exp_avg": captured.exp_avg, "exp_avg_sq": captured.exp_avg_sq}
+    copies["grad"] = captured.grads
+    want = _state(engine, 3)
+    for table in tables:
+        assert copies[table][first] is prepared[table], table
+        assert torch.equal(copies[table][first], want[f"{table}.{first}"]), table
+
+    engine.set_slot_state(3, other_rank, with_optimizer=True)
+    engine.snapshot_buffers.ready()
+    reshaped = engine.snapshot_buffers.holds(3, "adapter", first)
+    assert reshaped is not None and reshaped.shape == other_rank.adapter[first].shape
+    assert reshaped.shape != copies["adapter"][first].shape

@@ -1,6 +1,9 @@
-"""A save's copy of its slot on CUDA: one pinned host buffer per save, reused by the next one."""
+"""A save's copy of its slot on CUDA: one pinned host buffer per save, reused by the next one,
+and allocated ahead of the save on a background thread."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -55,3 +58,27 @@ def test_pool_hands_out_the_smallest_kept_buffer_that_fits_among_buffers_of_diff
     pool.give(small)
     assert pool.take(50) is small
     assert pool.take(200) is large
+
+
+def test_prepared_buffers_serve_the_next_saves_and_a_save_waits_for_one_being_prepared() -> None:
+    """``prepare`` allocates on its own thread (here held until released): a ``take`` meanwhile
+    gets one of the prepared buffers instead of allocating a third, a second ``prepare`` of the
+    same need allocates nothing more, and a need larger than every prepared buffer gets its own."""
+    release, made = threading.Event(), []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        release.wait()
+        made.append(torch.empty(nbytes, dtype=torch.uint8))
+        return made[-1]
+
+    pool = PinnedPool(keep=4, allocate=allocate)
+    pool.prepare(1000, count=2)
+    pool.prepare(800, count=2)  # already coming: nothing more
+    taken: list[torch.Tensor] = []
+    taker = threading.Thread(target=lambda: taken.append(pool.take(900)))
+    taker.start()
+    release.set()
+    taker.join()
+    assert len(made) == 2 and any(taken[0] is b for b in made)
+    assert pool.take(1000) is not taken[0] and len(made) == 2  # the other prepared one
+    assert pool.take(5000).numel() == 5000 and len(made) == 3
