@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,6 +175,59 @@ class Results:
 
     def flush(self) -> None:
         self.path.write_text(json.dumps(self.data, indent=1, default=_json_default))
+
+
+class BenchRun:
+    """What the GPU benches' runs share: a results file (``Results``, in ``out``), a clock against
+    ``deadline`` seconds, sections that record their error and let the next one run, and result
+    tables kept in memory and under ``results[table_key]``.
+
+    torch is imported only by the methods that synchronise or free memory (``cuda`` runs)."""
+
+    def __init__(self, out: Path, deadline: float, cuda: bool, table_key: str = "tables") -> None:
+        self.out = out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results = Results(self.out / "results.json")
+        self.deadline = deadline
+        self.cuda = cuda
+        self.start = time.monotonic()
+        self.tables: dict[str, list[dict[str, Any]]] = {}
+        self._table_key = table_key
+
+    def log(self, *parts: Any) -> None:
+        print(f"[{time.monotonic() - self.start:7.1f}s]", *parts, flush=True)
+
+    def time_left(self) -> float:
+        return float(self.deadline - (time.monotonic() - self.start))
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def row(self, table: str, row: dict[str, Any]) -> None:
+        """Append ``row`` to ``table`` (logged, and the results file rewritten)."""
+        self.tables.setdefault(table, []).append(row)
+        self.results.put(self._table_key, table, self.tables[table])
+        self.log(table, row)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Run a section: an exception is recorded (results ``errors``) and the run goes on."""
+        self.log(f"== {name}")
+        try:
+            yield
+        except Exception:
+            text = traceback.format_exc()
+            self.log(f"!! {name} failed:\n{text}")
+            self.results.error(name, text)
+        finally:
+            gc.collect()
+            if self.cuda:
+                import torch
+
+                torch.cuda.empty_cache()
 
 
 def _json_default(obj: Any) -> Any:

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import H200_PEAK_BF16, QWEN3_8B, Results, Shape, lora_modules, markdown_table  # noqa: E402
+from bench.common import H200_PEAK_BF16, QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table  # noqa: E402
 
 RANK = 32
 BATCHES = [1, 8, 64]
@@ -145,55 +142,21 @@ def prefill_flops(shape: Shape, lengths: list[int]) -> float:
     return float(linear + attention + lora)
 
 
-class Bench:
+class Bench(BenchRun):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tiny = args.tiny
-        self.cuda = torch.cuda.is_available() and not args.tiny
+        super().__init__(Path(args.out), args.deadline, torch.cuda.is_available() and not args.tiny)
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.shape = TINY if self.tiny else QWEN3_8B
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results = Results(self.out / "results.json")
         self.work = Path(args.work or tempfile.mkdtemp(prefix="gpu-sampler-"))
-        self.start = time.monotonic()
-        self.tables: dict[str, list[dict[str, Any]]] = {}
         self.new = NEW if not self.tiny else 8
         self.prompt = PROMPT if not self.tiny else 16
-
-    def log(self, *parts: Any) -> None:
-        print(f"[{time.monotonic() - self.start:7.1f}s]", *parts, flush=True)
-
-    def left(self) -> float:
-        return float(self.args.deadline - (time.monotonic() - self.start))
-
-    def row(self, table: str, row: dict[str, Any]) -> None:
-        self.tables.setdefault(table, []).append(row)
-        self.results.put("tables", table, self.tables[table])
-        self.log(table, row)
-
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        self.log(f"== {name}")
-        try:
-            yield
-        except Exception:
-            text = traceback.format_exc()
-            self.results.error(name, text)
-            self.log("!!", name, text)
-        finally:
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
 
     def tokens(self, seed: int, count: int) -> list[int]:
         rng = np.random.default_rng(seed)
         return [int(t) for t in rng.integers(16, self.shape.vocab, count)]
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
     # ---- env ----
 
@@ -435,7 +398,7 @@ class Bench:
                 return scores
 
         for batch in BATCHES:
-            if self.left() < 25:
+            if self.time_left() < 25:
                 self.log("hf: deadline, skipping batch", batch)
                 continue
             ids = torch.tensor([self.tokens(7 + j, self.prompt) for j in range(batch)], device=self.device)

@@ -37,8 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import QWEN3_8B, Results, Shape, lora_modules, markdown_table  # noqa: E402
+from bench.common import QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table  # noqa: E402
 from tinkerd.launcher import launch_mode  # noqa: E402
 
 RANK = 32
@@ -72,55 +71,19 @@ PROMPT_LEN, NEW_TOKENS = 128, 128
 HF_NEW_TOKENS = 32  # HF generate is host-bound at a constant time per step: 32 steps measure it
 
 
-class Bench:
+class Bench(BenchRun):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tiny = args.tiny
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results = Results(self.out / "results.json")
+        super().__init__(Path(args.out), args.deadline, torch.cuda.is_available() and not args.tiny)
         self.results.put("env", "launch", launch_mode(dict(os.environ)))  # how the stack's services start
-        self.cuda = torch.cuda.is_available() and not args.tiny
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.shape = TINY_SHAPE if self.tiny else QWEN3_8B
-        self.start = time.monotonic()
         self.work = Path(args.work or tempfile.mkdtemp(prefix="gpu-stack-"))
         self.data_dir = self.work / "data"
         self.model_dir = self.data_dir / "models" / MODEL_NAME
-        self.tables: dict[str, list[dict[str, Any]]] = {}
         self.engine_fb: dict[str, float] = {}
-
-    # ---- plumbing ----
-
-    def log(self, *parts: Any) -> None:
-        print(f"[{time.monotonic() - self.start:7.1f}s]", *parts, flush=True)
-
-    def time_left(self) -> float:
-        return float(self.args.deadline - (time.monotonic() - self.start))
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def row(self, table: str, row: dict[str, Any]) -> None:
-        self.tables.setdefault(table, []).append(row)
-        self.results.put("tables", table, self.tables[table])
-        self.log(table, row)
-
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        self.log(f"== {name}")
-        try:
-            yield
-        except Exception:
-            text = traceback.format_exc()
-            self.results.error(name, text)
-            self.log("!!", name, text)
-        finally:
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
 
     def n(self, length: int) -> int:
         """Document length: as given on the GPU, 1/32 of it (at least 8) in --tiny."""

@@ -47,8 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,7 @@ from bench.common import (  # noqa: E402
     H200_PEAK_BF16,
     QWEN3_8B,
     TINY,
-    Results,
+    BenchRun,
     Shape,
     markdown_table,
     mfu,
@@ -96,49 +95,18 @@ CE_PATHS = ("fused-ce", "unfused-ce")  # each loss path forced, beside the defau
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
 
-class Bench:
+class Bench(BenchRun):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results = Results(self.out / "results.json")
         self.tiny = args.tiny
-        self.shape: Shape = TINY if args.tiny else QWEN3_8B
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-        self.cuda = self.device.type == "cuda"
+        super().__init__(Path(args.out), args.deadline, self.device.type == "cuda", table_key="rows")
+        self.shape: Shape = TINY if args.tiny else QWEN3_8B
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.start = time.monotonic()
         self.model_dir = Path(tempfile.mkdtemp(prefix="bench-model-"))
         (self.model_dir / "config.json").write_text(json.dumps(self.shape.hf_config()))
         self.ceiling = H200_PEAK_BF16
-        self.rows: dict[str, list[dict[str, Any]]] = {}
         self.usable_backends: set[str] = set()
-
-    # ---- plumbing ----
-
-    def log(self, *parts: Any) -> None:
-        print(f"[{time.monotonic() - self.start:7.1f}s]", *parts, flush=True)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_left(self) -> float:
-        return self.args.deadline - (time.monotonic() - self.start)
-
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        self.log(f"== {name}")
-        try:
-            yield
-        except Exception:
-            text = traceback.format_exc()
-            self.log(f"!! {name} failed:\n{text}")
-            self.results.error(name, text)
-        finally:
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
 
     def doc_len(self, n: int) -> int:
         return TINY_LEN.get(n, max(2, n // 64)) if self.tiny else n
@@ -149,10 +117,6 @@ class Bench:
 
     def peak_gib(self) -> float | None:
         return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
-
-    def row(self, table: str, row: dict[str, Any]) -> None:
-        self.rows.setdefault(table, []).append(row)
-        self.results.put("rows", table, self.rows[table])
 
     # ---- sections ----
 
@@ -275,7 +239,6 @@ class Bench:
                     "ms": stat["median_s"] * 1e3,
                     "tflops": flops / stat["median_s"] / 1e12,
                 }
-                self.log("attn", row)
                 self.row("attention_speed", row)
 
     def build_engine(self, backend: str, num_slots: int) -> Any:
@@ -460,7 +423,6 @@ class Bench:
             slots = {s: hp for s in range(count)}
             times, _ = time_calls(functools.partial(engine.optim_step, slots), 1, 5, self.sync)
             row = {"pool_slots": 8, "stepped_slots": count, "ms": summarize(times)["median_s"] * 1e3}
-            self.log("optim", row)
             self.row("optimizer", row)
 
     def sync_audit(self, fn: Callable[[], Any], label: str) -> None:
@@ -591,7 +553,6 @@ class Bench:
                 "ops": ops,  # aten ops dispatched by one call
                 "kernels": kernels,  # device kernels and copies launched by one call
             }
-            self.log("optim", row)
             self.row("optimizer", row)
         self.profile(functools.partial(step, 1), "optimizer")  # one slot's step, warm
         params = sum(p.numel() for p in pool.parameters())
@@ -660,7 +621,6 @@ class Bench:
                     "capture_s": t1 - t0,
                     "write_s": t2 - t1,
                 }
-                self.log("snapshot", row)
                 self.row("snapshot", row)
 
     def liger(self) -> None:
@@ -752,7 +712,7 @@ class Bench:
             torch.cuda.empty_cache()
 
     def summary(self) -> None:
-        rows = self.rows
+        rows = self.tables
         engine = rows.get("engine", [])
         hf = {r["workload"]: r for r in rows.get("hf", [])}
         lg = {r["workload"]: r for r in rows.get("liger", [])}
