@@ -437,6 +437,37 @@ def random_qwen3(out_dir: Path, shape: Shape, seed: int = 0) -> Path:
     return out_dir
 
 
+def shaped_model_dir(out: Path, shape: Shape, dtype: str, name: str, tokenizer_root: Path) -> Path:
+    """A Qwen3 model directory of ``shape`` without weights in ``out``: its config.json (``dtype``)
+    and the project's tiny tokenizer files (the tiny model built under ``tokenizer_root``)."""
+    import shutil
+
+    from libs.models.tiny import TinyPreset, build_tiny, model_config
+
+    tiny = build_tiny(tokenizer_root)
+    out.mkdir(parents=True)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tiny / file, out / file)
+    preset = TinyPreset(
+        name=name,
+        arch="qwen3",
+        architecture="Qwen3ForCausalLM",
+        rope_theta=1_000_000.0,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.groups,
+        head_dim=shape.head_dim,
+        max_position_embeddings=40960,
+    )
+    config = model_config(preset)
+    config.update(torch_dtype=dtype, dtype=dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def random_peft_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int) -> Path:
     """A PEFT LoRA on every attention and MLP projection, with random non-zero A and B."""
     import torch

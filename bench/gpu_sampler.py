@@ -44,7 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import H200_PEAK_BF16, QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    H200_PEAK_BF16,
+    QWEN3_8B,
+    BenchRun,
+    Shape,
+    lora_modules,
+    markdown_table,
+    shaped_model_dir,
+)
 
 RANK = 32
 BATCHES = [1, 8, 64]
@@ -55,35 +63,10 @@ TINY = Shape(hidden=64, layers=2, heads=4, groups=2, head_dim=16, ffn=128, vocab
 
 def model_dir(root: Path, shape: Shape, dtype: str) -> Path:
     """A model directory without weights: config.json and the project's tokenizer."""
-    import shutil
-
-    from libs.models.tiny import TinyPreset, build_tiny, model_config
-
     out = root / "model"
     if (out / "config.json").is_file():
         return out
-    tiny = build_tiny(root / "tokenizer")
-    out.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(tiny / name, out / name)
-    preset = TinyPreset(
-        name="qwen3-8b-random",
-        arch="qwen3",
-        architecture="Qwen3ForCausalLM",
-        rope_theta=1_000_000.0,
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.ffn,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.groups,
-        head_dim=shape.head_dim,
-        max_position_embeddings=40960,
-    )
-    config = model_config(preset)
-    config.update(torch_dtype=dtype, dtype=dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return shaped_model_dir(out, shape, dtype, "qwen3-8b-random", root / "tokenizer")
 
 
 def random_model(path: Path, device: torch.device, dtype: torch.dtype) -> Any:

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table  # noqa: E402
+from bench.common import QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table, shaped_model_dir  # noqa: E402
 from tinkerd.launcher import launch_mode  # noqa: E402
 
 RANK = 32
@@ -99,42 +99,14 @@ class Bench(BenchRun):
         from safetensors.torch import save_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from libs.models.tiny import TinyPreset, build_tiny, model_config
-
         if (self.model_dir / "config.json").is_file():
             self.log("model exists:", self.model_dir)
             return
         t0 = time.perf_counter()
         tmp = self.model_dir.with_name(".building")
         shutil.rmtree(tmp, ignore_errors=True)
-        tiny = build_tiny(self.work / "tiny-tokenizer")
-        tmp.mkdir(parents=True)
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "chat_template.jinja",
-            "generation_config.json",
-        ):
-            shutil.copy(tiny / name, tmp / name)
-        s = self.shape
-        preset = TinyPreset(
-            name=MODEL_NAME,
-            arch="qwen3",
-            architecture="Qwen3ForCausalLM",
-            rope_theta=1_000_000.0,
-            vocab_size=s.vocab,
-            hidden_size=s.hidden,
-            intermediate_size=s.ffn,
-            num_hidden_layers=s.layers,
-            num_attention_heads=s.heads,
-            num_key_value_heads=s.groups,
-            head_dim=s.head_dim,
-            max_position_embeddings=40960,
-        )
-        config = model_config(preset)
         dtype_name = "bfloat16" if self.cuda else "float32"
-        config.update(torch_dtype=dtype_name, dtype=dtype_name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        shaped_model_dir(tmp, self.shape, dtype_name, MODEL_NAME, self.work / "tiny-tokenizer")
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))
         gen = torch.Generator(device=self.device).manual_seed(0)
