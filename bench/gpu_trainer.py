@@ -359,7 +359,6 @@ class Bench(BenchRun):
             m.update(
                 workload=name, backend=label, tenants=tenants, loss_finite=bool(np.isfinite(m.pop("result")))
             )
-            self.log("engine", {k: v for k, v in m.items()})
             self.row("engine", m)
             return m
 
@@ -378,6 +377,19 @@ class Bench(BenchRun):
                     continue
                 run(*by_name[name], label=f"{backend} {path}")
         engine.fused_ce = default
+
+        # one-tenant workloads as static steps replayed from CUDA graphs (step_graphs.py)
+        engine.step_graphs = engine.new_step_graphs()
+        if engine.step_graphs is not None:
+            for name in ("1x1024", "2x1024", "4x1024", "1x4096", "16x256"):
+                if name in by_name and by_name[name][3] == 1 and self.time_left() > 200:
+                    run(*by_name[name], label=f"{backend} step-graphs")
+            graphs = engine.step_graphs
+            self.results.put(
+                "engine", "step_graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
+            )
+            self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
+        engine.step_graphs = None
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -703,7 +715,6 @@ class Bench(BenchRun):
                 tenants=1,
                 loss_finite=bool(np.isfinite(m.pop("result"))),
             )
-            self.log(table, m)
             self.row(table, m)
         if profile_batch is not None and self.time_left() > 30:
             self.profile(profile_batch, table)

@@ -97,6 +97,8 @@ class PerDocumentSdpa(_PackedAttentionBase):
         rep = self.heads // self.groups
         outs = []
         for start, end in itertools.pairwise(bounds):
+            if start == end:  # an empty document (a padded batch's spare boundary)
+                continue
             qd = q[start:end].transpose(0, 1)  # [heads, t, d]
             kd = k[start:end].transpose(0, 1).repeat_interleave(rep, dim=0)  # [heads, t, d]
             vd = v[start:end].transpose(0, 1).repeat_interleave(rep, dim=0)  # [heads, t, d]

@@ -27,6 +27,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     fused_cross_entropy: bool | None = None
     """The chunked fused linear cross-entropy (fused_ce.py): on, off, or unset: on CUDA for a
     forward whose unfused logits would pass engine.UNFUSED_LOGITS_BYTES, off on CPU."""
+    step_graphs: bool = False
+    """One-slot ``forward_backward`` calls of at most 4,096 (padded) tokens run at static shapes,
+    replayed as CUDA graphs on CUDA (services/trainer/step_graphs.py; TP=1)."""
     heartbeat_s: float = 5.0
     snapshot_every_steps: int = 20
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from services.trainer.packing import DatumInput, PackedBatch, pack
 from services.trainer.parallel import ensure_model_parallel, tp_all_gather, tp_rank
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
+from services.trainer.step_graphs import TOKEN_STEP, StepGraphs
 from services.trainer.vocab import target_logprobs
 
 __all__ = [
@@ -65,6 +66,10 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
     fused_cross_entropy: bool | None = None  # None: by size on CUDA, off on CPU (see resolve_fused_ce)
+    # One-slot steps of at most step_graph_max_tokens (padded) run at static shapes, replayed as
+    # CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash or sdpa_per_document backend
+    step_graphs: bool = False
+    step_graph_max_tokens: int = 4096
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -131,6 +136,7 @@ class TrainerEngine:
         self._instance = uuid.uuid4().hex
         self._changes = 0
         self._versions: dict[int, str] = {}
+        self.step_graphs = self.new_step_graphs() if config.step_graphs else None
         self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
         # a save's copy of its slot, on CUDA (state/checkpoints.py)
         self.save_buffers = slot_state.PinnedPool() if self.device.type == "cuda" else None
@@ -203,37 +209,43 @@ class TrainerEngine:
         metrics: dict[int, dict[str, float]] = {}
         # Top-K targets: pack with the first column as labels, then score all K from the logits.
         packed = [_first_column(d) for d in datums] if top_k else datums
-        batch = pack(packed, self.device)
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_mode, self._routed(batch):
-            if top_k:
-                logits = self.model(
-                    batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
-                )[0]  # [T, vocab / tp]
-            elif resolve_fused_ce(
-                self.fused_ce, self.config.device, batch.labels.numel(), self.shape.vocab_size // self.tp_size
-            ):
-                lp_all = self._fused_logprobs(batch)  # [T]
+        finish: Callable[[torch.Tensor], None] = _backward
+        with grad_mode:
+            if self._graphed(packed, top_k):
+                assert self.step_graphs is not None
+                order = list(range(len(packed)))  # one slot: packing keeps the request's order
+                bounds = np.concatenate([[0], np.cumsum([d.num_tokens for d in packed])]).tolist()
+                tokens = np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in packed])
+                targets = np.concatenate([np.asarray(d.loss_inputs["target_tokens"], dtype=np.int64) for d in packed])
+                lp_all, finish = self.step_graphs.logprobs(packed, tokens, targets, backward=not forward_only)
             else:
-                token_loss = self.model(
-                    batch.input_ids,
-                    batch.position_ids,
-                    None,
-                    labels=batch.labels,
-                    packed_seq_params=self._packed_params(batch),
-                )  # [1, T]: -log p(target)
-                lp_all = -token_loss[0].float()  # [T]
+                batch = pack(packed, self.device)
+                order, bounds = batch.order, batch.bounds
+                with self._routed(batch):
+                    if top_k:
+                        logits = self.model(
+                            batch.input_ids, batch.position_ids, None, packed_seq_params=self._packed_params(batch)
+                        )[0]  # [T, vocab / tp]
+                    elif resolve_fused_ce(
+                        self.fused_ce, self.config.device, batch.labels.numel(), self.shape.vocab_size // self.tp_size
+                    ):
+                        lp_all = self._fused_logprobs(batch)  # [T]
+                    else:
+                        lp_all = self._unfused_logprobs(
+                            batch.input_ids, batch.position_ids, batch.labels, batch.cu_seqlens, batch.max_len
+                        )  # [T]
             lps: list[torch.Tensor] = []
             losses: list[torch.Tensor] = []
-            for j, index in enumerate(batch.order):
-                start, end = batch.bounds[j], batch.bounds[j + 1]
+            for j, index in enumerate(order):
+                start, end = bounds[j], bounds[j + 1]
                 datum = datums[index]
                 if top_k:
-                    targets = torch.as_tensor(
+                    targets_k = torch.as_tensor(
                         np.asarray(datum.loss_inputs["target_tokens"], dtype=np.int64), device=self.device
                     )
-                    lp = target_logprobs(logits[start:end], targets.reshape(end - start, -1))  # [N, K]
-                    lp = lp if targets.ndim == 2 else lp[:, 0]
+                    lp = target_logprobs(logits[start:end], targets_k.reshape(end - start, -1))  # [N, K]
+                    lp = lp if targets_k.ndim == 2 else lp[:, 0]
                 else:
                     lp = lp_all[start:end]  # [N]
                 inputs = {
@@ -247,10 +259,10 @@ class TrainerEngine:
                     with torch.no_grad():
                         metrics[index] = metrics_fn(lp, inputs, cfg)
             if not forward_only:
-                torch.stack(losses).sum().backward()
+                finish(torch.stack(losses).sum())
                 self._pending.update(d.slot for d in datums)
         outputs: list[DatumOutput | None] = [None] * len(datums)
-        for j, index in enumerate(batch.order):
+        for j, index in enumerate(order):
             lp_np = lps[j].detach().cpu().numpy().astype(np.float32)
             outputs[index] = DatumOutput(lp_np, float(losses[j].detach()), metrics.get(index, {}))
         return [o for o in outputs if o is not None]
@@ -341,6 +353,48 @@ class TrainerEngine:
 
     # ---- helpers ----
 
+    def new_step_graphs(self) -> StepGraphs | None:
+        """Static one-slot steps for this engine, recorded as CUDA graphs on CUDA (``step_graphs.py``;
+        assigned to ``step_graphs`` they apply); None where they do not: TP > 1, or an attention
+        backend other than varlen_flash and sdpa_per_document."""
+        backend = resolve_backend(self.config.attention_backend, self.config.device)
+        if self.tp_size != 1 or backend not in ("varlen_flash", "sdpa_per_document"):
+            return None
+        return StepGraphs(
+            self._unfused_logprobs,
+            self.pool.routing,
+            self.pool.rows.grads,
+            record=self.device.type == "cuda",
+            quiet=slot_state.PINNING,
+        )
+
+    def _graphed(self, datums: list[DatumInput], top_k: bool) -> bool:
+        """Whether this forward runs as a static step (``step_graphs``): one slot, one target per
+        token, at most ``step_graph_max_tokens`` padded tokens, on the unfused loss path."""
+        if self.step_graphs is None or top_k or len({d.slot for d in datums}) != 1:
+            return False
+        tokens = sum(d.num_tokens for d in datums)
+        padded = -(-tokens // TOKEN_STEP) * TOKEN_STEP
+        local_vocab = self.shape.vocab_size // self.tp_size
+        return padded <= self.config.step_graph_max_tokens and not resolve_fused_ce(
+            self.fused_ce, self.config.device, padded, local_vocab
+        )
+
+    def _unfused_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor:
+        """Every token's target log-probability ``[T]`` by megatron's output layer and vocab-parallel
+        cross-entropy (the unfused loss path; the routing is the caller's)."""
+        token_loss = self.model(
+            input_ids, position_ids, None, labels=labels, packed_seq_params=_packed_seq_params(cu_seqlens, max_len)
+        )
+        return -token_loss[0].float()
+
     def _fused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The model up to the final norm (its output layer skipped), then ``fused_ce``."""
         self.model.post_process = False  # GPTModel returns the decoder's (normed) hidden states
@@ -362,15 +416,7 @@ class TrainerEngine:
 
     @staticmethod
     def _packed_params(batch: PackedBatch) -> Any:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=batch.cu_seqlens,
-            cu_seqlens_kv=batch.cu_seqlens,
-            max_seqlen_q=batch.max_len,
-            max_seqlen_kv=batch.max_len,
-        )
+        return _packed_seq_params(batch.cu_seqlens, batch.max_len)
 
     def _require_slot(self, slot: int) -> None:
         if slot not in self.pool.configs:
@@ -408,6 +454,18 @@ class TrainerEngine:
             for name, value in datum.loss_inputs.items():
                 if name != "target_tokens" and not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
                     raise ValueError(f"data[{i}].loss_fn_inputs.{name} has non-finite values")
+
+
+def _packed_seq_params(cu_seqlens: torch.Tensor, max_len: int) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 def _first_column(datum: DatumInput) -> DatumInput:

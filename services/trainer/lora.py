@@ -180,6 +180,10 @@ class SlotRouting:
         self._segments: list[Segment] = []
         self.generation = 0  # changes whenever the segments are set: one per forward
         self.configs: dict[int, LoraConfig] = {}
+        # One slot covering the batch, named by this device tensor ([1] int64) instead of its
+        # number: a step recorded once (a CUDA graph, ``step_graphs.py``) then serves any slot of
+        # the same configuration, the tensor's value choosing whose rows it reads and adds into.
+        self.slot_index: torch.Tensor | None = None
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
@@ -346,9 +350,14 @@ class SlotAdapter(nn.Module):
         a = a_rows[positions[slot], :, :rank].flatten(0, 1)
         grads = self.lora_A.grad
         assert grads is not None
+        index = self.routing.slot_index
 
         def sink(g: torch.Tensor) -> None:
-            grads[slot, :, :rank].add_(g.view(grads.shape[1], rank, grads.shape[3]))
+            g = g.view(grads.shape[1], rank, grads.shape[3])
+            if index is None:
+                grads[slot, :, :rank].add_(g)
+            else:  # one addition per element, as add_ (the index is one slot)
+                grads[:, :, :rank].index_add_(0, index, g.unsqueeze(0))
 
         return _ToRows.apply(self.lora_A, a, sink)
 
@@ -361,9 +370,13 @@ class SlotAdapter(nn.Module):
         scale = lora_scaling(self.routing.configs[slot].rank)
         grads = self.lora_B.grad
         assert grads is not None
+        index = self.routing.slot_index
 
         def sink(g: torch.Tensor) -> None:
-            grads[slot, :, :rank].add_(self._diagonal(g, rank), alpha=scale)
+            if index is None:
+                grads[slot, :, :rank].add_(self._diagonal(g, rank), alpha=scale)
+            else:
+                grads[:, :, :rank].index_add_(0, index, self._diagonal(g, rank).unsqueeze(0), alpha=scale)
 
         return _ToRows.apply(self.lora_B, b, sink)
 
@@ -599,13 +612,17 @@ class PooledRows:
             self._compute = None  # released first: its memory is reused unless a graph still holds it
             buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
             with torch.no_grad():
+                # with ``routing.slot_index`` the one slot's row is gathered by that tensor
+                assert routing.slot_index is None or len(slots) == 1, "slot_index names one slot"
+                source = self.values if routing.slot_index is None else self.values.index_select(0, routing.slot_index)
                 for i, slot in enumerate(slots):
+                    row = slot if routing.slot_index is None else i
                     scale = lora_scaling(routing.configs[slot].rank)
                     for is_b, lo, hi in self.runs:
                         if is_b:
-                            torch.mul(self.values[slot, lo:hi], scale, out=buffer[i, lo:hi])
+                            torch.mul(source[row, lo:hi], scale, out=buffer[i, lo:hi])
                         else:
-                            buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
+                            buffer[i, lo:hi].copy_(source[row, lo:hi])
             self._computed_for, self._positions = key, {slot: i for i, slot in enumerate(slots)}
         assert self._compute is not None
         return self._compute, self._positions

@@ -37,6 +37,12 @@ _cache: dict[str, Any] = {"key": None, "positions": None, "tables": None, "table
 _original: Any = None
 
 
+def forget() -> None:
+    """Drop the per-forward cache (positions and cos/sin tables), which is keyed by the identity of
+    the forward's ``cu_seqlens``: a caller that refills one such tensor in place calls this first."""
+    _cache.update(key=None, positions=None, tables=None, tables_key=None)
+
+
 def _positions(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> torch.Tensor:
     if _cache["key"] is not cu_seqlens:  # every layer of one forward shares the same tensor
         doc = document_ids(cu_seqlens, total)  # [T]

@@ -335,6 +335,7 @@ def build_engine(config: TrainerConfig, device: str) -> tuple[TrainerEngine, str
             max_lora_rank=config.max_lora_rank,
             device=device,
             fused_cross_entropy=config.fused_cross_entropy,
+            step_graphs=config.step_graphs,
         )
     )
     return engine, model.name

@@ -115,12 +115,18 @@ class _Background:
                     future.set_exception(exc)
 
 
+PINNING = threading.Lock()
+"""Held while host memory is pinned (``cudaHostAlloc``). Recording a CUDA graph holds it too
+(``step_graphs.py``): pinning from another thread during a capture would break the capture."""
+
+
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """An uninitialised host tensor, pinned if asked and possible (else pageable: slower
     device-to-host copies, the same bytes)."""
     if pinned:
         try:
-            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+            with PINNING:
+                return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         except RuntimeError:  # no pinned memory left
             pass
     return torch.empty(shape, dtype=dtype, device="cpu")
@@ -207,7 +213,8 @@ class HostBuffers:
 
 
 def _pinned_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    with PINNING:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 PINNED_ALIGN = 64

@@ -1,0 +1,247 @@
+"""One-tenant ``forward_backward`` steps at static shapes, replayed as CUDA graphs.
+
+A small step is bound by the host: at 1,024 tokens of the 8B shape the GPU idles most of the
+step while Python and the dispatcher launch some 50,000 kernels one by one
+(docs/benchmarks.md, "forward_backward"). Replaying a recorded graph launches a whole forward
+or backward with one call.
+
+What is recorded, per ``StepShape``: the model from the packed tokens to every token's target
+log-probability (the unfused output layer and megatron's cross-entropy, the engine's path below
+``UNFUSED_LOGITS_BYTES``), and its backward from a gradient of those log-probabilities, which adds
+into the slot's gradient row. The losses stay eager: a few vector operations per datum on the
+``[T]`` log-probabilities, whose gradient is copied into the backward graph's input.
+
+Static shapes: a batch of one slot with ``T`` tokens in ``D`` documents, the longest ``L``, runs
+as ``T_b`` tokens (``T`` rounded up to a multiple of ``TOKEN_STEP``; the padding is one more
+document of token 0 with weight 0 in no loss, so its gradient is exactly zero), ``D_b + 1``
+boundaries (``D_b`` the power of two above ``D``; the spare documents are empty) and ``L_b`` (the
+power of two at or above ``L`` and the padding, at most ``T_b``: the attention kernel's grid). The
+slot is named by a device tensor (``SlotRouting.slot_index``), so one recording serves every slot
+of the same rank and modules: ``StepShape`` is the recording's key.
+
+Costs: a new shape runs two eager steps on a side stream (with the slot's gradients restored
+after them), then records both graphs; later steps of the shape replay them. Every recording
+shares one memory pool, which keeps the activations of the largest recorded shape reserved:
+``EngineConfig.step_graph_max_tokens`` bounds the shapes recorded (longer batches run eagerly).
+
+Equality: a replay runs the recorded kernels on the same addresses, so its results equal the
+same static step run eagerly bit for bit (the CUDA tests); the padded step differs from the
+unpadded eager one by rounding only, GEMMs of another shape (the CPU tests). Isolation: the
+padding tokens use the slot's own adapter, and the recording reads and adds into exactly the row
+the index names. Without CUDA (the CPU tests), or when a recording fails (logged once per
+shape), the same static step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from libs.contracts.common import LoraConfig
+from services.trainer import packed_rope
+from services.trainer.lora import Segment, SlotRouting
+from services.trainer.packing import DatumInput
+
+log = logging.getLogger(__name__)
+
+TOKEN_STEP = 256
+"""Recorded token counts are multiples of this."""
+WARMUP = 2
+"""Eager steps of a new shape on a side stream before it is recorded (lazy kernel set-up)."""
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The key of one recording: every size and flag its kernels depend on."""
+
+    tokens: int  # T_b
+    docs: int  # D_b: boundaries hold D_b + 1 entries
+    longest: int  # L_b: the attention's max_seqlen
+    rank: int
+    modules: tuple[bool, bool, bool]  # train_attn, train_mlp, train_unembed
+
+    @staticmethod
+    def of(lengths: list[int], config: LoraConfig) -> StepShape:
+        total = sum(lengths)
+        tokens = -(-total // TOKEN_STEP) * TOKEN_STEP
+        docs = _power_of_two(len(lengths) + 1)  # and the padding document
+        longest = min(_power_of_two(max(*lengths, tokens - total)), tokens)
+        return StepShape(
+            tokens, docs, longest, config.rank, (config.train_attn, config.train_mlp, config.train_unembed)
+        )
+
+
+@dataclass
+class _Recording:
+    """The static inputs of one shape, and its graphs once recorded."""
+
+    input_ids: torch.Tensor  # [1, T_b] int64
+    position_ids: torch.Tensor  # [1, T_b] int64
+    labels: torch.Tensor  # [1, T_b] int64
+    cu_seqlens: torch.Tensor  # [D_b + 1] int32
+    slot_index: torch.Tensor  # [1] int64
+    grad: torch.Tensor  # [T_b] fp32: the backward's input
+    logprobs: torch.Tensor | None = None  # [T_b]: the forward graph's output
+    forward: Any = None  # torch.cuda.CUDAGraph
+    backward: Any = None
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""(input_ids, position_ids, labels, cu_seqlens, max_seqlen) -> target log-probabilities [T]."""
+
+
+class StepGraphs:
+    """Runs one-slot ``forward_backward`` steps at static shapes, recorded as CUDA graphs where
+    ``record`` (module docstring)."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        routing: SlotRouting,
+        grads: torch.Tensor,
+        record: bool,
+        quiet: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        """``forward`` runs the model (routing set by the caller); ``grads``: the pool's gradient
+        rows ``[slots, width]`` (a new shape's warm-up restores the slot's row); ``quiet``: held
+        while recording, by every other thread of the process that would call into CUDA (a
+        capture fails when another thread pins memory meanwhile)."""
+        self._quiet = quiet if quiet is not None else contextlib.nullcontext()
+        self._forward = forward
+        self._routing = routing
+        self._grads = grads
+        self.record = record
+        self._recordings: dict[StepShape, _Recording] = {}
+        self._failed: set[StepShape] = set()
+        self._pool: Any = None
+        self.steps = 0  # static steps run, replayed or eager
+        self.recorded = 0  # shapes recorded so far
+        self.replays = 0  # steps run from recordings
+
+    def logprobs(
+        self, datums: list[DatumInput], tokens: np.ndarray, targets: np.ndarray, backward: bool
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
+        """Every token's target log-probability ``[T]`` of ``datums`` (one slot, in packing order;
+        ``tokens`` and ``targets`` their concatenation), and the function that, given the summed
+        loss of those log-probabilities, adds its gradient into the slot (``backward``)."""
+        slot = datums[0].slot
+        config = self._routing.configs[slot]
+        lengths = [d.num_tokens for d in datums]
+        shape = StepShape.of(lengths, config)
+        self.steps += 1
+        rec = self._recordings.get(shape)
+        if rec is None:
+            rec = self._recordings[shape] = self._buffers(shape, self._grads.device)
+        self._fill(rec, shape, slot, lengths, tokens, targets)
+        total = len(tokens)
+        if self.record and rec.forward is None and shape not in self._failed:
+            self._record_shape(rec, shape, slot)
+        if rec.forward is not None:
+            self.replays += 1
+            rec.forward.replay()
+            assert rec.logprobs is not None
+            leaf = rec.logprobs[:total].clone().requires_grad_(backward)
+
+            def replayed(loss: torch.Tensor) -> None:
+                (grad,) = torch.autograd.grad(loss, leaf)
+                rec.grad[:total].copy_(grad)
+                rec.grad[total:].zero_()
+                rec.backward.replay()
+
+            return leaf, replayed
+        with torch.enable_grad() if backward else torch.no_grad():
+            full = self._routed_forward(rec, shape, slot)
+        return full[:total], lambda loss: loss.backward()
+
+    # ---- static inputs ----
+
+    @staticmethod
+    def _buffers(shape: StepShape, device: torch.device) -> _Recording:
+        def zeros(*size: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        return _Recording(
+            input_ids=zeros(1, shape.tokens),
+            position_ids=zeros(1, shape.tokens),
+            labels=zeros(1, shape.tokens),
+            cu_seqlens=zeros(shape.docs + 1, dtype=torch.int32),
+            slot_index=zeros(1),
+            grad=zeros(shape.tokens, dtype=torch.float32),
+        )
+
+    @staticmethod
+    def _fill(
+        rec: _Recording, shape: StepShape, slot: int, lengths: list[int], tokens: np.ndarray, targets: np.ndarray
+    ) -> None:
+        """Copy one batch into the static inputs: its tokens, then the padding document (token 0,
+        positions from 0), its boundaries, then empty documents up to ``D_b``."""
+        total, padded = len(tokens), shape.tokens
+        ids = np.zeros(padded, dtype=np.int64)
+        ids[:total] = tokens
+        labels = np.zeros(padded, dtype=np.int64)
+        labels[:total] = targets
+        ends = np.cumsum(lengths)
+        bounds = np.full(shape.docs + 1, padded, dtype=np.int32)
+        bounds[0] = 0
+        bounds[1 : len(lengths) + 1] = ends
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in [*lengths, padded - total]])
+        rec.input_ids.copy_(torch.from_numpy(ids)[None])
+        rec.position_ids.copy_(torch.from_numpy(positions)[None])
+        rec.labels.copy_(torch.from_numpy(labels)[None])
+        rec.cu_seqlens.copy_(torch.from_numpy(bounds))
+        rec.slot_index.fill_(slot)
+
+    # ---- running and recording ----
+
+    def _routed_forward(self, rec: _Recording, shape: StepShape, slot: int) -> torch.Tensor:
+        """The model over the static inputs, the whole padded stream routed to the slot that
+        ``rec.slot_index`` names; ``[T_b]`` log-probabilities."""
+        packed_rope.forget()  # its per-forward cache is keyed by the identity of cu_seqlens
+        self._routing.segments = [Segment(slot, 0, shape.tokens)]
+        self._routing.slot_index = rec.slot_index
+        try:
+            return self._forward(rec.input_ids, rec.position_ids, rec.labels, rec.cu_seqlens, shape.longest)
+        finally:
+            self._routing.segments = []
+            self._routing.slot_index = None
+
+    def _record_shape(self, rec: _Recording, shape: StepShape, slot: int) -> None:
+        """Warm up, then record the forward and the backward graph of ``shape`` (module docstring);
+        a failure leaves the shape to run eagerly."""
+        row = self._grads[slot].clone()  # the warm-up's backward adds into the slot's gradients
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.enable_grad():
+                for _ in range(WARMUP):
+                    warm = self._routed_forward(rec, shape, slot)
+                    warm.backward(torch.zeros_like(warm))
+            torch.cuda.current_stream().wait_stream(side)
+            self._grads[slot].copy_(row)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with self._quiet, torch.enable_grad():
+                with torch.cuda.graph(forward, pool=self._pool):
+                    out = self._routed_forward(rec, shape, slot)
+                with torch.cuda.graph(backward, pool=self._pool):
+                    out.backward(rec.grad)
+        except RuntimeError as exc:
+            torch.cuda.synchronize()
+            self._grads[slot].copy_(row)
+            self._failed.add(shape)
+            log.warning("could not record a step graph for %s; it runs eagerly: %s", shape, exc)
+            return
+        rec.logprobs, rec.forward, rec.backward = out.detach(), forward, backward
+        self.recorded += 1

@@ -1,0 +1,178 @@
+"""One-slot steps at static shapes (``step_graphs.py``) against the engine's plain path.
+
+On the CPU the static step runs eagerly: the padding, the empty documents, the slot named by a
+device tensor and the loss's gradient entering at the log-probabilities are all exercised, against
+an engine without static steps (the reference: the same model and adapters, unpadded). On CUDA
+(``-k cuda``) the recorded graphs' replays are compared with the same static step run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from libs.contracts.common import LoraConfig
+from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
+from services.trainer.step_graphs import StepShape
+from services.trainer.tests.helpers import ce_datum, randomize_slot
+
+X = LoraConfig(rank=4, seed=3)
+HP = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+def is_datum(rng: np.random.Generator, slot: int, n: int) -> DatumInput:
+    """An importance-sampling datum (sampling log-probabilities and advantages)."""
+    tokens = rng.integers(4, 500, size=n)
+    targets = rng.integers(4, 500, size=n)
+    return DatumInput(
+        slot,
+        tokens,
+        {
+            "target_tokens": targets,
+            "logprobs": rng.normal(-3.0, 0.5, size=n).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+        },
+    )
+
+
+def _engine(qwen_dir: Path, static: bool, device: str = "cpu") -> TrainerEngine:
+    return TrainerEngine(
+        EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device=device, step_graphs=static)
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(qwen_dir: Path) -> Iterator[tuple[TrainerEngine, TrainerEngine]]:
+    """A plain engine and one with static steps, every slot holding the same random adapters."""
+    plain, static = _engine(qwen_dir, False), _engine(qwen_dir, True)
+    assert static.step_graphs is not None and plain.step_graphs is None
+    for engine in (plain, static):
+        for slot in range(4):
+            randomize_slot(engine, slot, X, seed=10 + slot)
+    yield plain, static
+
+
+def _grads(engine: TrainerEngine, slot: int) -> dict[str, torch.Tensor]:
+    return engine.get_slot_grads(slot)
+
+
+def test_step_shapes_round_tokens_documents_and_the_longest_document_up() -> None:
+    assert StepShape.of([5, 9, 3], X) == StepShape(256, 4, 256, 4, (True, True, True))
+    assert StepShape.of([256], X) == StepShape(256, 2, 256, 4, (True, True, True))  # no padding left
+    assert StepShape.of([300, 100, 100], X) == StepShape(512, 4, 512, 4, (True, True, True))
+    assert StepShape.of([700] * 2 + [40] * 5, X).docs == 8
+    assert StepShape.of([1000, 1000, 1000, 50], X) == StepShape(3072, 8, 1024, 4, (True, True, True))
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])
+def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches_only_its_slot(
+    pair: tuple[TrainerEngine, TrainerEngine], loss_fn: str
+) -> None:
+    """Three documents of slot 1, padded to 256 tokens and 4 documents: log-probabilities, losses,
+    slot 1's gradients and its adapter after a step equal the plain engine's within fp32 rounding
+    (GEMMs of another shape), while slot 0's pending gradients and slots 2 and 3 stay bit-identical."""
+    plain, static = pair
+    rng = np.random.default_rng(5)
+    make = ce_datum if loss_fn == "cross_entropy" else is_datum
+    earlier = [make(rng, 0, 6)]  # slot 0 has pending gradients of its own
+    batch = [make(rng, 1, n) for n in (5, 9, 3)]
+    results = {}
+    for name, engine in (("plain", plain), ("static", static)):
+        engine.forward_backward(earlier, loss_fn)
+        before = {slot: _grads(engine, slot) for slot in (0, 2, 3)}
+        steps = static.step_graphs.steps if static.step_graphs is not None else 0
+        outs = engine.forward_backward(batch, loss_fn)
+        if engine is static:
+            assert static.step_graphs is not None and static.step_graphs.steps == steps + 1
+        for slot, grads in before.items():
+            after = _grads(engine, slot)
+            assert all(torch.equal(after[k], v) for k, v in grads.items()), (name, slot)
+        grads = _grads(engine, 1)
+        engine.optim_step({1: HP})
+        adapter = engine.get_slot_state(1).adapter
+        engine.optim_step({0: HP})
+        results[name] = (outs, grads, adapter)
+    (p_outs, p_grads, p_adapter), (s_outs, s_grads, s_adapter) = results["plain"], results["static"]
+    for p, s in zip(p_outs, s_outs, strict=True):
+        np.testing.assert_allclose(s.logprobs, p.logprobs, rtol=1e-5, atol=1e-5)
+        assert s.loss == pytest.approx(p.loss, rel=1e-5, abs=1e-5)
+    for name, value in p_grads.items():
+        torch.testing.assert_close(s_grads[name], value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(s_adapter[name], p_adapter[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_static_steps_repeat_exactly_and_forward_only_gives_the_logprobs_of_forward_backward(
+    pair: tuple[TrainerEngine, TrainerEngine],
+) -> None:
+    """The same static batch twice accumulates the same gradient twice (bit for bit: the second
+    call's gradient is the first's doubled), and ``forward`` of it returns exactly the
+    log-probabilities ``forward_backward`` did; slot 2 and slot 3 share one shape."""
+    _, static = pair
+    rng = np.random.default_rng(9)
+    batch = [ce_datum(rng, 2, n) for n in (40, 7)]
+    first = static.forward_backward(batch, "cross_entropy")
+    once = _grads(static, 2)
+    again = static.forward_backward(batch, "cross_entropy")
+    twice = _grads(static, 2)
+    only = static.forward_backward(batch, "cross_entropy", forward_only=True)
+    for a, b, c in zip(first, again, only, strict=True):
+        assert np.array_equal(a.logprobs, b.logprobs) and np.array_equal(a.logprobs, c.logprobs)
+    assert all(torch.equal(twice[k], v + v) for k, v in once.items())
+    other = [DatumInput(3, d.tokens, d.loss_inputs) for d in batch]
+    assert StepShape.of([d.num_tokens for d in other], static.pool.configs[3]) == StepShape.of(
+        [d.num_tokens for d in batch], static.pool.configs[2]
+    )
+    static.optim_step({2: HP})
+
+
+def test_batches_of_several_slots_or_past_the_token_limit_take_the_plain_path(
+    pair: tuple[TrainerEngine, TrainerEngine],
+) -> None:
+    """Two slots in one batch, or more padded tokens than ``step_graph_max_tokens``, are not
+    static steps; one slot within the limit is."""
+    _, static = pair
+    rng = np.random.default_rng(2)
+    assert static._graphed([ce_datum(rng, 0, 10)], top_k=False)
+    assert not static._graphed([ce_datum(rng, 0, 10), ce_datum(rng, 1, 10)], top_k=False)
+    assert not static._graphed([ce_datum(rng, 0, 10)], top_k=True)
+    limit = static.config.step_graph_max_tokens
+    assert not static._graphed([ce_datum(rng, 0, limit + 1)], top_k=False)
+
+
+# ---------------------------------------------------------------- CUDA: recorded graphs
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_step_graph_replays_equal_the_static_step_run_eagerly_bit_for_bit(qwen_dir: Path) -> None:
+    """Two bf16 engines with the same adapters, one replaying recorded graphs and one running the
+    same static steps eagerly: two steps of slot 1 (one shape: one recording), a step of slot 2
+    (the same recording, another row), optimizer steps between: every log-probability, loss,
+    gradient and adapter is bit-identical, and slot 0, never in a batch, keeps zero gradients."""
+    graphs, eager = _engine(qwen_dir, True, "cuda"), _engine(qwen_dir, True, "cuda")
+    assert graphs.step_graphs is not None and eager.step_graphs is not None
+    eager.step_graphs.record = False
+    for engine in (graphs, eager):
+        for slot in range(4):
+            randomize_slot(engine, slot, X, seed=20 + slot)
+    rng = np.random.default_rng(1)
+    calls = [[ce_datum(rng, 1, n) for n in (30, 200)], [ce_datum(rng, 1, n) for n in (100, 17)]]
+    calls.append([ce_datum(rng, 2, n) for n in (64, 64)])
+    for batch in calls:
+        outs = [engine.forward_backward(batch, "cross_entropy") for engine in (graphs, eager)]
+        for a, b in zip(*outs, strict=True):
+            assert np.array_equal(a.logprobs, b.logprobs) and a.loss == b.loss
+        slot = batch[0].slot
+        g, e = _grads(graphs, slot), _grads(eager, slot)
+        assert all(torch.equal(g[k], e[k]) for k in e)
+        for engine in (graphs, eager):
+            engine.optim_step({slot: HP})
+        a, b = graphs.get_slot_state(slot).adapter, eager.get_slot_state(slot).adapter
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    assert graphs.step_graphs.recorded == 1 and graphs.step_graphs.replays == 3
+    assert all(not v.any() for v in _grads(graphs, 0).values())
