@@ -38,8 +38,9 @@ registry, and replaces its forward passes:
   or joined since the one it follows), while no request waits for admission, and while some
   row can still outlive its ``max_new_tokens``; a row that stops on a stop token meanwhile has
   one step computed for nothing, whose results are dropped (its cache row is freed as usual).
-  What each row receives is exactly what the step-by-step loop gives it: the same tokens, from
-  the same generator draws.
+  Tokens are chosen by the same code from the same generator draws as step by step; a step that
+  still carries a finished row can run in a larger batch bucket than step by step would (other
+  GEMM shapes, so logprobs may differ in their last bits, as when a row joins a batch).
 
 Numerics: the same function as ``HFEngine`` (temperature-1 ``log_softmax`` of fp32 logits);
 on CUDA the model runs in bf16 (logits cast to fp32 before the softmax).
