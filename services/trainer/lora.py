@@ -208,17 +208,15 @@ class SlotRouting:
         key = (group, x.device)
         if key not in self._groups:
             slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
-            weight = [
-                slots.index(seg.slot) if self.configs[seg.slot].trains(group) else len(slots)
-                for seg in self.segments
-            ]  # len(slots): the all-zero entry
-            real = [g for g, w in enumerate(weight) if w < len(slots)]
             routed = routed_slots(self)
+            source = [
+                routed.index(seg.slot) if self.configs[seg.slot].trains(group) else len(routed)
+                for seg in self.segments
+            ]  # len(routed): the compute rows' all-zero row
+            real = [g for g, row in enumerate(source) if row < len(routed)]
             self._groups[key] = GroupLayout(
-                slots=torch.tensor(slots, device=x.device),
-                positions=torch.tensor([routed.index(s) for s in slots], device=x.device),
                 rank=max(self.configs[s].rank for s in slots),
-                weight=torch.tensor(weight, device=x.device),
+                source=torch.tensor(source, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
                 real=torch.tensor(real, device=x.device),
                 real_slots=torch.tensor([self.segments[g].slot for g in real], device=x.device),
@@ -238,15 +236,13 @@ def routed_slots(routing: SlotRouting) -> list[int]:
 class GroupLayout:
     """The grouped-matmul layout of one forward for one module group.
 
-    Segment ``g`` of the packed stream ends at row ``offsets[g]`` and uses stacked weight
-    ``weight[g]``: an index into ``slots`` (the slots that train this module), or ``len(slots)``,
-    an all-zero entry, for a slot that does not.
+    Segment ``g`` of the packed stream ends at row ``offsets[g]`` and takes its weights from row
+    ``source[g]`` of the forward's compute rows (``PooledRows.compute_rows``): its slot's row, or
+    the all-zero row after them for a slot that does not train these modules.
     """
 
-    slots: torch.Tensor  # [S] int64
-    positions: torch.Tensor  # [S] int64: each slot's row in the forward's compute rows
-    rank: int  # the largest rank among `slots`
-    weight: torch.Tensor  # [G] int64
+    rank: int  # the largest rank among the slots that train these modules
+    source: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
     real: torch.Tensor  # int64: the groups whose slot trains these modules (weight < S)
     real_slots: torch.Tensor  # int64: the slot of each of them (where its gradient goes)
@@ -446,13 +442,14 @@ class SlotAdapter(nn.Module):
         layout = self.routing.group_layout(self.target.group, rows)
         r = layout.rank
         a_rows, b_rows, _ = self._compute(rows.dtype)
-        a = a_rows[:, :, :r].index_select(0, layout.positions).flatten(1, 2)  # [S, parts*r, in]
-        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.positions), self.part_mask)  # [S, out, parts*r]
+        # each group's weights gathered straight from its row of the compute rows (one gather per
+        # factor); a group whose slot does not train these modules reads the all-zero row
+        a = a_rows[:, :, :r].index_select(0, layout.source).flatten(1, 2)  # [G, parts*r, in]
+        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.source), self.part_mask)  # [G, out, parts*r]
         pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
-        a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [S, w, in]
-        b = torch.nn.functional.pad(b, (0, pad))  # [S, out, w]
-        a = torch.cat([a, a.new_zeros(1, *a.shape[1:])]).index_select(0, layout.weight)  # [G, w, in]
-        b = torch.cat([b, b.new_zeros(1, *b.shape[1:])]).index_select(0, layout.weight)  # [G, out, w]
+        if pad:
+            a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [G, w, in]
+            b = torch.nn.functional.pad(b, (0, pad))  # [G, out, w]
         width, parts = self.parts * r, self.parts
         a_grads, b_grads = self.lora_A.grad, self.lora_B.grad
         assert a_grads is not None and b_grads is not None
@@ -599,7 +596,8 @@ class PooledRows:
     def compute_rows(self, routing: SlotRouting, dtype: torch.dtype) -> tuple[torch.Tensor, dict[int, int]]:
         """The rows of the current forward's slots in the compute ``dtype``, every ``B`` scaled
         by its slot's ``alpha/rank`` (the product in fp32, then one rounding), and each slot's
-        position among them (the forward's slots in ascending order, ``routed_positions``).
+        position among them (the forward's slots in ascending order, ``routed_positions``); with
+        several slots, one all-zero row follows theirs (``GroupLayout.source``).
 
         Built once per forward (``routing.generation``): two kernels per run of columns and slot,
         instead of a cast and a product per tensor in every module's forward. Only the routed
@@ -610,8 +608,13 @@ class PooledRows:
         key = (routing.generation, dtype)
         if self._computed_for != key:
             self._compute = None  # released first: its memory is reused unless a graph still holds it
-            buffer = self._compute = torch.empty(len(slots), self.width, dtype=dtype, device=self.values.device)
+            zero_row = len(slots) > 1  # the grouped path's row for slots that do not train a module
+            buffer = self._compute = torch.empty(
+                len(slots) + zero_row, self.width, dtype=dtype, device=self.values.device
+            )
             with torch.no_grad():
+                if zero_row:
+                    buffer[len(slots)].zero_()
                 # with ``routing.slot_index`` the one slot's row is gathered by that tensor
                 assert routing.slot_index is None or len(slots) == 1, "slot_index names one slot"
                 source = self.values if routing.slot_index is None else self.values.index_select(0, routing.slot_index)
