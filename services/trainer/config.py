@@ -28,8 +28,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The chunked fused linear cross-entropy (fused_ce.py): on, off, or unset: on CUDA for a
     forward whose unfused logits would pass engine.UNFUSED_LOGITS_BYTES, off on CPU."""
     step_graphs: bool = False
-    """One-slot ``forward_backward`` calls of at most 4,096 (padded) tokens run at static shapes,
-    replayed as CUDA graphs on CUDA (services/trainer/step_graphs.py; TP=1)."""
+    """``forward_backward`` calls of at most ``step_graph_max_tokens`` (padded) tokens, whose models
+    train the same modules, run at static shapes, replayed as CUDA graphs on CUDA
+    (services/trainer/step_graphs.py; TP=1)."""
+    step_graph_max_tokens: int = 4096
+    """The largest step recorded; the recordings keep the largest one's activations reserved."""
     heartbeat_s: float = 5.0
     snapshot_every_steps: int = 20
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""

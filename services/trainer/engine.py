@@ -32,7 +32,7 @@ from libs.contracts.common import AdamParams, LoraConfig
 from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_request
 from services.trainer import slot_state
 from services.trainer.fused_ce import lm_head_logprobs
-from services.trainer.lora import AdapterPool
+from services.trainer.lora import AdapterPool, grouped_mm_supported
 from services.trainer.losses import LOSS_FNS, LOSS_METRICS
 from services.trainer.model import build_model
 from services.trainer.optim import SlotAdamW, StepReport, zero_grads
@@ -66,8 +66,9 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: varlen_flash on CUDA
     fused_cross_entropy: bool | None = None  # None: by size on CUDA, off on CPU (see resolve_fused_ce)
-    # One-slot steps of at most step_graph_max_tokens (padded) run at static shapes, replayed as
-    # CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash or sdpa_per_document backend
+    # Steps of at most step_graph_max_tokens (padded) whose slots train the same modules run at
+    # static shapes, replayed as CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash
+    # or sdpa_per_document backend
     step_graphs: bool = False
     step_graph_max_tokens: int = 4096
 
@@ -112,6 +113,7 @@ class TrainerEngine:
         self.device = torch.device(config.device)
         self.tp_size = ensure_model_parallel(config.device)
         dtype = config.dtype or (torch.bfloat16 if config.device == "cuda" else torch.float32)
+        self.model_dtype = dtype
         self.model, self.shape = build_model(
             config.base_model_dir,
             dtype=dtype,
@@ -214,11 +216,12 @@ class TrainerEngine:
         with grad_mode:
             if self._graphed(packed, top_k):
                 assert self.step_graphs is not None
-                order = list(range(len(packed)))  # one slot: packing keeps the request's order
-                bounds = np.concatenate([[0], np.cumsum([d.num_tokens for d in packed])]).tolist()
-                tokens = np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in packed])
-                targets = np.concatenate([np.asarray(d.loss_inputs["target_tokens"], dtype=np.int64) for d in packed])
-                lp_all, finish = self.step_graphs.logprobs(packed, tokens, targets, backward=not forward_only)
+                order = sorted(range(len(packed)), key=lambda i: packed[i].slot)  # as `pack` orders them
+                ordered = [packed[i] for i in order]
+                bounds = np.concatenate([[0], np.cumsum([d.num_tokens for d in ordered])]).tolist()
+                tokens = np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in ordered])
+                targets = np.concatenate([np.asarray(d.loss_inputs["target_tokens"], dtype=np.int64) for d in ordered])
+                lp_all, finish = self.step_graphs.logprobs(ordered, tokens, targets, backward=not forward_only)
             else:
                 batch = pack(packed, self.device)
                 order, bounds = batch.order, batch.bounds
@@ -354,7 +357,7 @@ class TrainerEngine:
     # ---- helpers ----
 
     def new_step_graphs(self) -> StepGraphs | None:
-        """Static one-slot steps for this engine, recorded as CUDA graphs on CUDA (``step_graphs.py``;
+        """Static steps for this engine, recorded as CUDA graphs on CUDA (``step_graphs.py``;
         assigned to ``step_graphs`` they apply); None where they do not: TP > 1, or an attention
         backend other than varlen_flash and sdpa_per_document."""
         backend = resolve_backend(self.config.attention_backend, self.config.device)
@@ -369,9 +372,14 @@ class TrainerEngine:
         )
 
     def _graphed(self, datums: list[DatumInput], top_k: bool) -> bool:
-        """Whether this forward runs as a static step (``step_graphs``): one slot, one target per
-        token, at most ``step_graph_max_tokens`` padded tokens, on the unfused loss path."""
-        if self.step_graphs is None or top_k or len({d.slot for d in datums}) != 1:
+        """Whether this forward runs as a static step (``step_graphs``): one target per token, at
+        most ``step_graph_max_tokens`` padded tokens, on the unfused loss path, slots that train
+        the same modules (several: where the grouped matmul runs)."""
+        if self.step_graphs is None or top_k or not self.step_graphs.fits(datums):
+            return False
+        if len({d.slot for d in datums}) > 1 and not grouped_mm_supported(
+            torch.empty(0, device=self.device, dtype=self.model_dtype)
+        ):
             return False
         tokens = sum(d.num_tokens for d in datums)
         padded = -(-tokens // TOKEN_STEP) * TOKEN_STEP

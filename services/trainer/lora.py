@@ -180,10 +180,8 @@ class SlotRouting:
         self._segments: list[Segment] = []
         self.generation = 0  # changes whenever the segments are set: one per forward
         self.configs: dict[int, LoraConfig] = {}
-        # One slot covering the batch, named by this device tensor ([1] int64) instead of its
-        # number: a step recorded once (a CUDA graph, ``step_graphs.py``) then serves any slot of
-        # the same configuration, the tensor's value choosing whose rows it reads and adds into.
-        self.slot_index: torch.Tensor | None = None
+        # A static step's slots, named by device tensors instead of numbers (``StaticRouting``)
+        self.static: StaticRouting | None = None
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
@@ -201,11 +199,18 @@ class SlotRouting:
         """Every segment as one group of a grouped matmul, for the adapters of ``group``.
 
         Built once per forward and module group on the host and copied to the device once, so
-        the adapters of every layer reuse it with no host round trip.
+        the adapters of every layer reuse it with no host round trip; a static step's comes from
+        its device tensors (``StaticRouting``: every one of its slots trains ``group``).
         """
         if self._groups_for is not self.segments:
             self._groups, self._groups_for = {}, self.segments
         key = (group, x.device)
+        if key not in self._groups and self.static is not None:
+            st = self.static
+            rank = max(self.configs[seg.slot].rank for seg in self.segments)
+            self._groups[key] = GroupLayout(
+                rank=rank, source=st.source, offsets=st.offsets, real=st.source, real_slots=st.slots, real_scale=st.scales
+            )
         if key not in self._groups:
             slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
             routed = routed_slots(self)
@@ -227,6 +232,19 @@ class SlotRouting:
         return self._groups[key]
 
 
+@dataclass(frozen=True)
+class StaticRouting:
+    """The routing of a static step (``step_graphs.py``): one segment per slot, in ascending slot
+    order, the last one reaching the stream's end, each slot named by a device tensor's value
+    rather than its number. A step recorded once (a CUDA graph) then serves any slots of the
+    same shape: the tensors' values choose whose rows it reads and adds into."""
+
+    slots: torch.Tensor  # [S] int64: segment g's slot
+    scales: torch.Tensor  # [S] fp32: that slot's alpha/rank
+    offsets: torch.Tensor  # [S] int32: segment g's end
+    source: torch.Tensor  # [S] int64: 0..S-1, segment g's compute row
+
+
 def routed_slots(routing: SlotRouting) -> list[int]:
     """The slots of the current forward, ascending (the order of ``PooledRows.compute_rows``)."""
     return sorted({seg.slot for seg in routing.segments})
@@ -244,7 +262,7 @@ class GroupLayout:
     rank: int  # the largest rank among the slots that train these modules
     source: torch.Tensor  # [G] int64
     offsets: torch.Tensor  # [G] int32, cumulative; the last one is T
-    real: torch.Tensor  # int64: the groups whose slot trains these modules (weight < S)
+    real: torch.Tensor  # int64: the groups whose slot trains these modules
     real_slots: torch.Tensor  # int64: the slot of each of them (where its gradient goes)
     real_scale: torch.Tensor  # fp32: that slot's alpha/rank (its B's gradient is scaled by it)
 
@@ -346,7 +364,7 @@ class SlotAdapter(nn.Module):
         a = a_rows[positions[slot], :, :rank].flatten(0, 1)
         grads = self.lora_A.grad
         assert grads is not None
-        index = self.routing.slot_index
+        index = None if self.routing.static is None else self.routing.static.slots
 
         def sink(g: torch.Tensor) -> None:
             g = g.view(grads.shape[1], rank, grads.shape[3])
@@ -366,7 +384,7 @@ class SlotAdapter(nn.Module):
         scale = lora_scaling(self.routing.configs[slot].rank)
         grads = self.lora_B.grad
         assert grads is not None
-        index = self.routing.slot_index
+        index = None if self.routing.static is None else self.routing.static.slots
 
         def sink(g: torch.Tensor) -> None:
             if index is None:
@@ -424,7 +442,7 @@ class SlotAdapter(nn.Module):
             b = self._b(slots[0], rank, x.dtype)  # [out, parts*r]
             h = region(rows @ a.t())  # [T, parts*r]
             return torch.addmm(base.reshape(rows.shape[0], -1), h, b.t().to(base.dtype)).view_as(base)
-        elif routing.stacked and grouped_mm_supported(x):
+        elif (routing.stacked or routing.static is not None) and grouped_mm_supported(x):
             out = self._grouped(rows, region)
         else:
             out = self._per_segment(rows, region)
@@ -615,17 +633,21 @@ class PooledRows:
             with torch.no_grad():
                 if zero_row:
                     buffer[len(slots)].zero_()
-                # with ``routing.slot_index`` the one slot's row is gathered by that tensor
-                assert routing.slot_index is None or len(slots) == 1, "slot_index names one slot"
-                source = self.values if routing.slot_index is None else self.values.index_select(0, routing.slot_index)
-                for i, slot in enumerate(slots):
-                    row = slot if routing.slot_index is None else i
+                if routing.static is not None:  # the rows the device tensors name, all at once
+                    st = routing.static
+                    source = self.values.index_select(0, st.slots)  # [S, width]
+                    for is_b, lo, hi in self.runs:
+                        if is_b:
+                            torch.mul(source[:, lo:hi], st.scales[:, None], out=buffer[: len(slots), lo:hi])
+                        else:
+                            buffer[: len(slots), lo:hi].copy_(source[:, lo:hi])
+                for i, slot in enumerate(slots if routing.static is None else []):
                     scale = lora_scaling(routing.configs[slot].rank)
                     for is_b, lo, hi in self.runs:
                         if is_b:
-                            torch.mul(source[row, lo:hi], scale, out=buffer[i, lo:hi])
+                            torch.mul(self.values[slot, lo:hi], scale, out=buffer[i, lo:hi])
                         else:
-                            buffer[i, lo:hi].copy_(source[row, lo:hi])
+                            buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
             self._computed_for, self._positions = key, {slot: i for i, slot in enumerate(slots)}
         assert self._compute is not None
         return self._compute, self._positions

@@ -336,6 +336,7 @@ def build_engine(config: TrainerConfig, device: str) -> tuple[TrainerEngine, str
             device=device,
             fused_cross_entropy=config.fused_cross_entropy,
             step_graphs=config.step_graphs,
+            step_graph_max_tokens=config.step_graph_max_tokens,
         )
     )
     return engine, model.name

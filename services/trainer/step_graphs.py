@@ -1,4 +1,4 @@
-"""One-tenant ``forward_backward`` steps at static shapes, replayed as CUDA graphs.
+"""``forward_backward`` steps at static shapes, replayed as CUDA graphs.
 
 A small step is bound by the host: at 1,024 tokens of the 8B shape the GPU idles most of the
 step while Python and the dispatcher launch some 50,000 kernels one by one
@@ -11,13 +11,15 @@ log-probability (the unfused output layer and megatron's cross-entropy, the engi
 into the slot's gradient row. The losses stay eager: a few vector operations per datum on the
 ``[T]`` log-probabilities, whose gradient is copied into the backward graph's input.
 
-Static shapes: a batch of one slot with ``T`` tokens in ``D`` documents, the longest ``L``, runs
-as ``T_b`` tokens (``T`` rounded up to a multiple of ``TOKEN_STEP``; the padding is one more
-document of token 0 with weight 0 in no loss, so its gradient is exactly zero), ``D_b + 1``
-boundaries (``D_b`` the power of two above ``D``; the spare documents are empty) and ``L_b`` (the
-power of two at or above ``L`` and the padding, at most ``T_b``: the attention kernel's grid). The
-slot is named by a device tensor (``SlotRouting.slot_index``), so one recording serves every slot
-of the same rank and modules: ``StepShape`` is the recording's key.
+Static shapes: a batch of ``S`` slots that train the same modules, with ``T`` tokens in ``D``
+documents, the longest ``L``, runs as ``T_b`` tokens (``T`` rounded up to a multiple of
+``TOKEN_STEP``; the padding is one more document of token 0, in the last slot's segment and in no
+loss, so its gradient is exactly zero), ``D_b + 1`` boundaries (``D_b`` the power of two above
+``D``; the spare documents are empty) and ``L_b`` (the power of two at or above ``L`` and the
+padding, at most ``T_b``: the attention kernel's grid). The slots, their segments' ends and their
+``alpha/rank`` are device tensors (``lora.StaticRouting``), so one recording serves any slots of
+the same count, largest rank and modules: ``StepShape`` is the recording's key. One slot takes the
+one-slot LoRA path, several the grouped matmuls, as in the plain engine on CUDA.
 
 Costs: a new shape runs two eager steps on a side stream (with the slot's gradients restored
 after them), then records both graphs; later steps of the shape replay them. Every recording
@@ -27,9 +29,9 @@ shares one memory pool, which keeps the activations of the largest recorded shap
 Equality: a replay runs the recorded kernels on the same addresses, so its results equal the
 same static step run eagerly bit for bit (the CUDA tests); the padded step differs from the
 unpadded eager one by rounding only, GEMMs of another shape (the CPU tests). Isolation: the
-padding tokens use the slot's own adapter, and the recording reads and adds into exactly the row
-the index names. Without CUDA (the CPU tests), or when a recording fails (logged once per
-shape), the same static step runs eagerly.
+padding tokens use the last slot's own adapter, and the recording reads and adds into exactly
+the rows the tensors name, each segment from and into its own slot's. Without CUDA (the CPU
+tests), or when a recording fails (logged once per shape), the same static step runs eagerly.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 
 from libs.contracts.common import LoraConfig
 from services.trainer import packed_rope
-from services.trainer.lora import Segment, SlotRouting
+from services.trainer.lora import Segment, SlotRouting, StaticRouting, lora_scaling
 from services.trainer.packing import DatumInput
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ def _power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def modules(config: LoraConfig) -> tuple[bool, bool, bool]:
+    return (config.train_attn, config.train_mlp, config.train_unembed)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The key of one recording: every size and flag its kernels depend on."""
@@ -68,18 +74,19 @@ class StepShape:
     tokens: int  # T_b
     docs: int  # D_b: boundaries hold D_b + 1 entries
     longest: int  # L_b: the attention's max_seqlen
-    rank: int
-    modules: tuple[bool, bool, bool]  # train_attn, train_mlp, train_unembed
+    slots: int  # S: one segment each
+    rank: int  # the largest of their ranks
+    modules: tuple[bool, bool, bool]  # train_attn, train_mlp, train_unembed, the same for every slot
 
     @staticmethod
-    def of(lengths: list[int], config: LoraConfig) -> StepShape:
+    def of(lengths: list[int], configs: list[LoraConfig]) -> StepShape:
+        """``lengths``: the documents in packing order; ``configs``: their slots', ascending."""
         total = sum(lengths)
         tokens = -(-total // TOKEN_STEP) * TOKEN_STEP
         docs = _power_of_two(len(lengths) + 1)  # and the padding document
         longest = min(_power_of_two(max(*lengths, tokens - total)), tokens)
-        return StepShape(
-            tokens, docs, longest, config.rank, (config.train_attn, config.train_mlp, config.train_unembed)
-        )
+        rank = max(c.rank for c in configs)
+        return StepShape(tokens, docs, longest, len(configs), rank, modules(configs[0]))
 
 
 @dataclass
@@ -90,7 +97,7 @@ class _Recording:
     position_ids: torch.Tensor  # [1, T_b] int64
     labels: torch.Tensor  # [1, T_b] int64
     cu_seqlens: torch.Tensor  # [D_b + 1] int32
-    slot_index: torch.Tensor  # [1] int64
+    routing: StaticRouting  # [S] slots, scales, segment ends, compute rows
     grad: torch.Tensor  # [T_b] fp32: the backward's input
     logprobs: torch.Tensor | None = None  # [T_b]: the forward graph's output
     forward: Any = None  # torch.cuda.CUDAGraph
@@ -129,24 +136,34 @@ class StepGraphs:
         self.recorded = 0  # shapes recorded so far
         self.replays = 0  # steps run from recordings
 
+    def fits(self, datums: list[DatumInput]) -> bool:
+        """Whether ``datums`` can run as a static step: their slots all train the same modules."""
+        return len({modules(self._routing.configs[d.slot]) for d in datums}) == 1
+
     def logprobs(
         self, datums: list[DatumInput], tokens: np.ndarray, targets: np.ndarray, backward: bool
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]]:
-        """Every token's target log-probability ``[T]`` of ``datums`` (one slot, in packing order;
-        ``tokens`` and ``targets`` their concatenation), and the function that, given the summed
-        loss of those log-probabilities, adds its gradient into the slot (``backward``)."""
-        slot = datums[0].slot
-        config = self._routing.configs[slot]
+        """Every token's target log-probability ``[T]`` of ``datums`` (in packing order: by
+        ascending slot; ``tokens`` and ``targets`` their concatenation), and the function that,
+        given the summed loss of those log-probabilities, adds its gradient into the slots."""
         lengths = [d.num_tokens for d in datums]
-        shape = StepShape.of(lengths, config)
+        ends: dict[int, int] = {}  # slot -> its segment's end
+        for datum, end in zip(datums, np.cumsum(lengths).tolist(), strict=True):
+            ends[datum.slot] = int(end)
+        segments, start = [], 0
+        for slot, end in ends.items():
+            segments.append(Segment(slot, start, end))
+            start = end
+        shape = StepShape.of(lengths, [self._routing.configs[s.slot] for s in segments])
         self.steps += 1
         rec = self._recordings.get(shape)
         if rec is None:
             rec = self._recordings[shape] = self._buffers(shape, self._grads.device)
-        self._fill(rec, shape, slot, lengths, tokens, targets)
+        self._fill(rec, shape, segments, lengths, tokens, targets)
+        segments[-1] = Segment(segments[-1].slot, segments[-1].start, shape.tokens)  # and the padding
         total = len(tokens)
         if self.record and rec.forward is None and shape not in self._failed:
-            self._record_shape(rec, shape, slot)
+            self._record_shape(rec, shape, segments)
         if rec.forward is not None:
             self.replays += 1
             rec.forward.replay()
@@ -161,7 +178,7 @@ class StepGraphs:
 
             return leaf, replayed
         with torch.enable_grad() if backward else torch.no_grad():
-            full = self._routed_forward(rec, shape, slot)
+            full = self._routed_forward(rec, shape, segments)
         return full[:total], lambda loss: loss.backward()
 
     # ---- static inputs ----
@@ -171,21 +188,33 @@ class StepGraphs:
         def zeros(*size: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
+        routing = StaticRouting(
+            slots=zeros(shape.slots),
+            scales=zeros(shape.slots, dtype=torch.float32),
+            offsets=zeros(shape.slots, dtype=torch.int32),
+            source=torch.arange(shape.slots, device=device),
+        )
         return _Recording(
             input_ids=zeros(1, shape.tokens),
             position_ids=zeros(1, shape.tokens),
             labels=zeros(1, shape.tokens),
             cu_seqlens=zeros(shape.docs + 1, dtype=torch.int32),
-            slot_index=zeros(1),
+            routing=routing,
             grad=zeros(shape.tokens, dtype=torch.float32),
         )
 
-    @staticmethod
     def _fill(
-        rec: _Recording, shape: StepShape, slot: int, lengths: list[int], tokens: np.ndarray, targets: np.ndarray
+        self,
+        rec: _Recording,
+        shape: StepShape,
+        segments: list[Segment],
+        lengths: list[int],
+        tokens: np.ndarray,
+        targets: np.ndarray,
     ) -> None:
         """Copy one batch into the static inputs: its tokens, then the padding document (token 0,
-        positions from 0), its boundaries, then empty documents up to ``D_b``."""
+        positions from 0), its boundaries, then empty documents up to ``D_b``; each segment's
+        slot, ``alpha/rank`` and end (the last one the padded stream's)."""
         total, padded = len(tokens), shape.tokens
         ids = np.zeros(padded, dtype=np.int64)
         ids[:total] = tokens
@@ -200,46 +229,52 @@ class StepGraphs:
         rec.position_ids.copy_(torch.from_numpy(positions)[None])
         rec.labels.copy_(torch.from_numpy(labels)[None])
         rec.cu_seqlens.copy_(torch.from_numpy(bounds))
-        rec.slot_index.fill_(slot)
+        slots = [seg.slot for seg in segments]
+        scales = [lora_scaling(self._routing.configs[slot].rank) for slot in slots]
+        seg_ends = [seg.end for seg in segments[:-1]] + [padded]
+        rec.routing.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        rec.routing.scales.copy_(torch.tensor(scales, dtype=torch.float32))
+        rec.routing.offsets.copy_(torch.tensor(seg_ends, dtype=torch.int32))
 
     # ---- running and recording ----
 
-    def _routed_forward(self, rec: _Recording, shape: StepShape, slot: int) -> torch.Tensor:
-        """The model over the static inputs, the whole padded stream routed to the slot that
-        ``rec.slot_index`` names; ``[T_b]`` log-probabilities."""
+    def _routed_forward(self, rec: _Recording, shape: StepShape, segments: list[Segment]) -> torch.Tensor:
+        """The model over the static inputs, each segment routed to the slot that
+        ``rec.routing`` names for it; ``[T_b]`` log-probabilities."""
         packed_rope.forget()  # its per-forward cache is keyed by the identity of cu_seqlens
-        self._routing.segments = [Segment(slot, 0, shape.tokens)]
-        self._routing.slot_index = rec.slot_index
+        self._routing.segments = segments
+        self._routing.static = rec.routing
         try:
             return self._forward(rec.input_ids, rec.position_ids, rec.labels, rec.cu_seqlens, shape.longest)
         finally:
             self._routing.segments = []
-            self._routing.slot_index = None
+            self._routing.static = None
 
-    def _record_shape(self, rec: _Recording, shape: StepShape, slot: int) -> None:
+    def _record_shape(self, rec: _Recording, shape: StepShape, segments: list[Segment]) -> None:
         """Warm up, then record the forward and the backward graph of ``shape`` (module docstring);
         a failure leaves the shape to run eagerly."""
-        row = self._grads[slot].clone()  # the warm-up's backward adds into the slot's gradients
+        slots = rec.routing.slots
+        rows = self._grads.index_select(0, slots)  # the warm-up's backward adds into the slots' gradients
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.enable_grad():
                 for _ in range(WARMUP):
-                    warm = self._routed_forward(rec, shape, slot)
+                    warm = self._routed_forward(rec, shape, segments)
                     warm.backward(torch.zeros_like(warm))
             torch.cuda.current_stream().wait_stream(side)
-            self._grads[slot].copy_(row)
+            self._grads.index_copy_(0, slots, rows)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with self._quiet, torch.enable_grad():
                 with torch.cuda.graph(forward, pool=self._pool):
-                    out = self._routed_forward(rec, shape, slot)
+                    out = self._routed_forward(rec, shape, segments)
                 with torch.cuda.graph(backward, pool=self._pool):
                     out.backward(rec.grad)
         except RuntimeError as exc:
             torch.cuda.synchronize()
-            self._grads[slot].copy_(row)
+            self._grads.index_copy_(0, slots, rows)
             self._failed.add(shape)
             log.warning("could not record a step graph for %s; it runs eagerly: %s", shape, exc)
             return
