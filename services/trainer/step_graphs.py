@@ -109,8 +109,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 class StepGraphs:
-    """Runs one-slot ``forward_backward`` steps at static shapes, recorded as CUDA graphs where
-    ``record`` (module docstring)."""
+    """Runs ``forward_backward`` steps at static shapes, recorded as CUDA graphs where ``record``
+    (module docstring)."""
 
     def __init__(
         self,
@@ -121,7 +121,7 @@ class StepGraphs:
         quiet: AbstractContextManager[Any] | None = None,
     ) -> None:
         """``forward`` runs the model (routing set by the caller); ``grads``: the pool's gradient
-        rows ``[slots, width]`` (a new shape's warm-up restores the slot's row); ``quiet``: held
+        rows ``[slots, width]`` (a new shape's warm-up restores its slots' rows); ``quiet``: held
         while recording, by every other thread of the process that would call into CUDA (a
         capture fails when another thread pins memory meanwhile)."""
         self._quiet = quiet if quiet is not None else contextlib.nullcontext()
