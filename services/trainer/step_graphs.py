@@ -8,7 +8,7 @@ or backward with one call.
 What is recorded, per ``StepShape``: the model from the packed tokens to every token's target
 log-probability (the unfused output layer and megatron's cross-entropy, the engine's path below
 ``UNFUSED_LOGITS_BYTES``), and its backward from a gradient of those log-probabilities, which adds
-into the slot's gradient row. The losses stay eager: a few vector operations per datum on the
+into the slots' gradient rows. The losses stay eager: a few vector operations per datum on the
 ``[T]`` log-probabilities, whose gradient is copied into the backward graph's input.
 
 Static shapes: a batch of ``S`` slots that train the same modules, with ``T`` tokens in ``D``
