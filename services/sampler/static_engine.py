@@ -216,9 +216,11 @@ class StaticCacheEngine(HFEngine):
                 3, self._max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda"
             )
             self._arange = torch.arange(self._max_batch, device=self.device)
-            # (token, logprob) rows of a step read back; two: a step launched ahead of an unread one
+            # (token, logprob) rows of a step read back, flat so that a step's [2, n] is contiguous
+            # (a device-to-host copy into a strided or pageable buffer waits for the stream); two:
+            # a step launched ahead of an unread one
             self._host_outputs = [
-                torch.zeros(2, self._max_batch, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+                torch.zeros(2 * self._max_batch, dtype=torch.float64, pin_memory=self.device.type == "cuda")
                 for _ in range(2)
             ]
             self._copied = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else None
@@ -565,12 +567,14 @@ class StaticCacheEngine(HFEngine):
         if after is None:
             window = _bucket(max(self._pos) + 1, self._window_buckets)
             host = self._host_inputs
-            host[:, n:b] = 0
-            host[2, n:b] = -1
+            host[:, n:] = 0
+            host[2, n:] = -1
             host[0, :n] = torch.tensor(self._pending, dtype=torch.long)
             host[1, :n] = torch.tensor(self._pos, dtype=torch.long)
             host[2, :n] = torch.tensor(self._slot, dtype=torch.long)
-            self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+            # whole buffers: pinned and contiguous on both sides, so the copy does not wait for the
+            # stream (the previous from-host copy is done: its step was read since)
+            self._inputs.copy_(host, non_blocking=True)
         else:  # the inputs of ``after`` are still in place for rows [0, b): no host copy
             self._counts["lookahead_steps"] += 1
             window = _bucket(max(self._pos) + 2, self._window_buckets)
@@ -630,9 +634,9 @@ class StaticCacheEngine(HFEngine):
                 n = rows[i].req.top_logprobs_num
                 tops[i] = [list(zip(v[:n], t[:n], strict=True))]
         which, self._next_output = self._next_output, self._next_output ^ 1  # at most two unread
-        host = self._host_outputs[which]
+        host = self._host_outputs[which][: 2 * len(rows)].view(2, len(rows))
         ready = None if self._copied is None else self._copied[which]
-        host[:, : len(rows)].copy_(packed, non_blocking=ready is not None)
+        host.copy_(packed.contiguous(), non_blocking=ready is not None)  # the graph's output is [2, b]
         if ready is not None:
             ready.record()
         return _Step(list(range(len(rows))), chosen, host, ready, tops)
