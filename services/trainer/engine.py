@@ -40,7 +40,7 @@ from services.trainer.packing import DatumInput, PackedBatch, pack
 from services.trainer.parallel import ensure_model_parallel, tp_all_gather, tp_rank
 from services.trainer.peft_export import export_peft
 from services.trainer.slot_state import SlotState
-from services.trainer.step_graphs import TOKEN_STEP, StepGraphs
+from services.trainer.step_graphs import TOKEN_STEP, CudaGraphRecorder, StepGraphs
 from services.trainer.vocab import target_logprobs
 
 __all__ = [
@@ -363,13 +363,8 @@ class TrainerEngine:
         backend = resolve_backend(self.config.attention_backend, self.config.device)
         if self.tp_size != 1 or backend not in ("varlen_flash", "sdpa_per_document"):
             return None
-        return StepGraphs(
-            self._unfused_logprobs,
-            self.pool.routing,
-            self.pool.rows.grads,
-            record=self.device.type == "cuda",
-            quiet=slot_state.PINNING,
-        )
+        recorder = CudaGraphRecorder(quiet=slot_state.PINNING) if self.device.type == "cuda" else None
+        return StepGraphs(self._unfused_logprobs, self.pool.routing, self.pool.rows.grads, recorder)
 
     def _graphed(self, datums: list[DatumInput], top_k: bool) -> bool:
         """Whether this forward runs as a static step (``step_graphs``): one target per token, at

@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -99,39 +99,67 @@ class _Recording:
     cu_seqlens: torch.Tensor  # [D_b + 1] int32
     routing: StaticRouting  # [S] slots, scales, segment ends, compute rows
     grad: torch.Tensor  # [T_b] fp32: the backward's input
-    logprobs: torch.Tensor | None = None  # [T_b]: the forward graph's output
-    forward: Any = None  # torch.cuda.CUDAGraph
-    backward: Any = None
+    logprobs: torch.Tensor | None = None  # [T_b]: the recorded forward's output
+    forward: Replay | None = None
+    backward: Replay | None = None
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(input_ids, position_ids, labels, cu_seqlens, max_seqlen) -> target log-probabilities [T]."""
 
+Replay = Callable[[], None]
+
+
+class Recorder(Protocol):
+    """Records a static step: ``forward()`` gives ``[T_b]`` log-probabilities with autograd history,
+    ``grad`` is the static ``[T_b]`` gradient its backward starts from. Returns the static output
+    (valid after a forward replay) and the two replays. Nothing need run while recording."""
+
+    def record(self, forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> tuple[torch.Tensor, Replay, Replay]: ...
+
+
+class CudaGraphRecorder:
+    """Records with CUDA graphs: two warm-up steps on a side stream (the kernels' lazy set-up, and
+    a backward from zeros), then the forward and the backward captured into one memory pool that
+    every recording shares. ``quiet`` is held while capturing (another thread of the process
+    that pins memory meanwhile would break the capture)."""
+
+    def __init__(self, quiet: AbstractContextManager[Any] | None = None) -> None:
+        self._quiet = quiet if quiet is not None else contextlib.nullcontext()
+        self._pool: Any = None
+
+    def record(self, forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> tuple[torch.Tensor, Replay, Replay]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.enable_grad():
+            for _ in range(WARMUP):
+                warm = forward()
+                warm.backward(torch.zeros_like(warm))
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with self._quiet, torch.enable_grad():
+            with torch.cuda.graph(fwd, pool=self._pool):
+                out = forward()
+            with torch.cuda.graph(bwd, pool=self._pool):
+                out.backward(grad)
+        return out.detach(), fwd.replay, bwd.replay
+
 
 class StepGraphs:
-    """Runs ``forward_backward`` steps at static shapes, recorded as CUDA graphs where ``record``
-    (module docstring)."""
+    """Runs ``forward_backward`` steps at static shapes, recorded by ``recorder`` (CUDA graphs; None:
+    every step eagerly) and replayed (module docstring)."""
 
-    def __init__(
-        self,
-        forward: Forward,
-        routing: SlotRouting,
-        grads: torch.Tensor,
-        record: bool,
-        quiet: AbstractContextManager[Any] | None = None,
-    ) -> None:
+    def __init__(self, forward: Forward, routing: SlotRouting, grads: torch.Tensor, recorder: Recorder | None) -> None:
         """``forward`` runs the model (routing set by the caller); ``grads``: the pool's gradient
-        rows ``[slots, width]`` (a new shape's warm-up restores its slots' rows); ``quiet``: held
-        while recording, by every other thread of the process that would call into CUDA (a
-        capture fails when another thread pins memory meanwhile)."""
-        self._quiet = quiet if quiet is not None else contextlib.nullcontext()
+        rows ``[slots, width]`` (restored after a recording, whose warm-up adds into them)."""
         self._forward = forward
         self._routing = routing
         self._grads = grads
-        self.record = record
+        self.recorder = recorder
         self._recordings: dict[StepShape, _Recording] = {}
         self._failed: set[StepShape] = set()
-        self._pool: Any = None
         self.steps = 0  # static steps run, replayed or eager
         self.recorded = 0  # shapes recorded so far
         self.replays = 0  # steps run from recordings
@@ -162,19 +190,19 @@ class StepGraphs:
         self._fill(rec, shape, segments, lengths, tokens, targets)
         segments[-1] = Segment(segments[-1].slot, segments[-1].start, shape.tokens)  # and the padding
         total = len(tokens)
-        if self.record and rec.forward is None and shape not in self._failed:
-            self._record_shape(rec, shape, segments)
-        if rec.forward is not None:
+        if self.recorder is not None and rec.forward is None and shape not in self._failed:
+            self._record_shape(self.recorder, rec, shape, segments)
+        if rec.forward is not None and rec.backward is not None and rec.logprobs is not None:
             self.replays += 1
-            rec.forward.replay()
-            assert rec.logprobs is not None
+            rec.forward()
             leaf = rec.logprobs[:total].clone().requires_grad_(backward)
+            replay_backward = rec.backward
 
             def replayed(loss: torch.Tensor) -> None:
                 (grad,) = torch.autograd.grad(loss, leaf)
                 rec.grad[:total].copy_(grad)
                 rec.grad[total:].zero_()
-                rec.backward.replay()
+                replay_backward()
 
             return leaf, replayed
         with torch.enable_grad() if backward else torch.no_grad():
@@ -250,33 +278,22 @@ class StepGraphs:
             self._routing.segments = []
             self._routing.static = None
 
-    def _record_shape(self, rec: _Recording, shape: StepShape, segments: list[Segment]) -> None:
-        """Warm up, then record the forward and the backward graph of ``shape`` (module docstring);
-        a failure leaves the shape to run eagerly."""
+    def _record_shape(
+        self, recorder: Recorder, rec: _Recording, shape: StepShape, segments: list[Segment]
+    ) -> None:
+        """Record ``shape`` (its slots' gradient rows restored after: the recorder's warm-up adds
+        into them); a failure is logged and leaves the shape to run eagerly."""
         slots = rec.routing.slots
-        rows = self._grads.index_select(0, slots)  # the warm-up's backward adds into the slots' gradients
+        rows = self._grads.index_select(0, slots)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.enable_grad():
-                for _ in range(WARMUP):
-                    warm = self._routed_forward(rec, shape, segments)
-                    warm.backward(torch.zeros_like(warm))
-            torch.cuda.current_stream().wait_stream(side)
-            self._grads.index_copy_(0, slots, rows)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with self._quiet, torch.enable_grad():
-                with torch.cuda.graph(forward, pool=self._pool):
-                    out = self._routed_forward(rec, shape, segments)
-                with torch.cuda.graph(backward, pool=self._pool):
-                    out.backward(rec.grad)
+            out, forward, backward = recorder.record(lambda: self._routed_forward(rec, shape, segments), rec.grad)
         except RuntimeError as exc:
-            torch.cuda.synchronize()
-            self._grads.index_copy_(0, slots, rows)
             self._failed.add(shape)
             log.warning("could not record a step graph for %s; it runs eagerly: %s", shape, exc)
             return
-        rec.logprobs, rec.forward, rec.backward = out.detach(), forward, backward
+        finally:
+            if self._grads.is_cuda:
+                torch.cuda.synchronize()
+            self._grads.index_copy_(0, slots, rows)
+        rec.logprobs, rec.forward, rec.backward = out, forward, backward
         self.recorded += 1

@@ -9,7 +9,7 @@ slot and for several (the grouped matmuls with the slots' device tensors). On CU
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +64,33 @@ def _reset(pair: tuple[TrainerEngine, TrainerEngine]) -> None:
     for engine in pair:
         for slot in range(4):
             randomize_slot(engine, slot, X if slot < 2 else Z, seed=10 + slot)
+
+
+class EagerRecorder:
+    """Stands in for CUDA graphs on the CPU: recording runs nothing, and a replay runs the recorded
+    forward (into the one static output) or the backward of the last replayed forward again.
+    What it exercises is ``StepGraphs``' own part: which static inputs a recording keeps, the
+    gradient handed to the backward replay, and the slots' gradients restored after recording."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def record(
+        self, forward: Callable[[], torch.Tensor], grad: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
+        self.recorded += 1
+        out = torch.full_like(grad, float("nan"))  # like a capture's output before its first replay
+        last: list[torch.Tensor] = []
+
+        def replay_forward() -> None:
+            with torch.enable_grad():
+                last[:] = [forward()]
+            out.copy_(last[0].detach())
+
+        def replay_backward() -> None:
+            last[0].backward(grad)
+
+        return out, replay_forward, replay_backward
 
 
 def _grads(engine: TrainerEngine, slot: int) -> dict[str, torch.Tensor]:
@@ -199,6 +226,42 @@ def test_batches_of_mixed_modules_or_past_the_token_limit_take_the_plain_path(
     assert static._graphed([ce_datum(rng, 3, 10)], top_k=False)
 
 
+def test_replays_of_a_recording_give_the_static_steps_results_bit_for_bit(qwen_dir: Path) -> None:
+    """With a recorder (``EagerRecorder`` on the CPU), steps of one shape replay its recording: two
+    steps of slot 1 and one of slot 0 (one recording serves both slots), then two of slots 0 and 2
+    together (a second recording), each forward and backward a replay. Log-probabilities, losses,
+    gradients and adapters after optimizer steps equal an engine running the same static steps
+    without recordings, bit for bit; a forward-only call replays too."""
+    replayed, eager = _engine(qwen_dir, True), _engine(qwen_dir, True)
+    assert replayed.step_graphs is not None and eager.step_graphs is not None
+    recorder = EagerRecorder()
+    replayed.step_graphs.recorder = recorder
+    _reset((replayed, eager))
+    rng = np.random.default_rng(4)
+
+    def batch(*docs: tuple[int, int]) -> list[DatumInput]:
+        return [ce_datum(rng, slot, n) for slot, n in docs]
+
+    calls = [batch((1, 30), (1, 200)), batch((1, 100), (1, 17)), batch((0, 150), (0, 60))]
+    calls += [batch((2, 50), (0, 90)), batch((0, 60), (2, 80))]
+    for i, call in enumerate(calls):
+        outs = [engine.forward_backward(call, "cross_entropy") for engine in (replayed, eager)]
+        for a, b in zip(*outs, strict=True):
+            assert np.array_equal(a.logprobs, b.logprobs) and a.loss == b.loss, i
+        slots = sorted({d.slot for d in call})
+        for slot in slots:
+            got, want = _grads(replayed, slot), _grads(eager, slot)
+            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
+        for engine in (replayed, eager):
+            engine.optim_step(dict.fromkeys(slots, HP))
+        for slot in slots:
+            got, want = replayed.get_slot_state(slot).adapter, eager.get_slot_state(slot).adapter
+            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
+    only = [engine.forward_backward(calls[0], "cross_entropy", forward_only=True) for engine in (replayed, eager)]
+    assert all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(*only, strict=True))
+    assert recorder.recorded == 2 and replayed.step_graphs.replays == 6
+
+
 # ---------------------------------------------------------------- CUDA: recorded graphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -213,7 +276,7 @@ def test_cuda_step_graph_replays_equal_the_static_step_run_eagerly_bit_for_bit(q
     slot 3, in no batch until the end, keeps zero gradients until then."""
     graphs, eager = _engine(qwen_dir, True, "cuda"), _engine(qwen_dir, True, "cuda")
     assert graphs.step_graphs is not None and eager.step_graphs is not None
-    eager.step_graphs.record = False
+    eager.step_graphs.recorder = None
     for engine in (graphs, eager):
         for slot in range(4):
             randomize_slot(engine, slot, X, seed=20 + slot)
