@@ -267,6 +267,11 @@ class PinnedPool:
                 self._keep(buffer)
             self._cond.notify_all()
 
+    def ready(self) -> None:
+        """Wait until every allocation ``prepare`` started has finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._coming)
+
     def take(self, nbytes: int) -> torch.Tensor:
         """A pinned uint8 buffer of at least ``nbytes``: the smallest free one that fits, one
         being prepared that will fit, or a new one."""
