@@ -35,8 +35,8 @@ registry, and replaces its forward passes:
   the device already runs the next step (``SamplerConfig.decode_lookahead``): its inputs are the
   chosen tokens, still on the device, and every position plus one, so the GPU does not idle
   for the host's part of a step.  A step is launched ahead only for the same rows (none finished
-  or joined since the one it follows), while no request waits for admission, and while some
-  row can still outlive its ``max_new_tokens``; a row that stops on a stop token meanwhile has
+  or joined since the one it follows), while no request waits that the batch could admit, and
+  while some row can still outlive its ``max_new_tokens``; a row that stops on a stop token meanwhile has
   one step computed for nothing, whose results are dropped (its cache row is freed as usual).
   Tokens are chosen by the same code from the same generator draws as step by step; a step that
   still carries a finished row can run in a larger batch bucket than step by step would (other
@@ -547,12 +547,13 @@ class StaticCacheEngine(HFEngine):
 
     def _may_look_ahead(self, step: _Step) -> bool:
         """Whether the step after ``step`` may run before ``step`` is read (module docstring):
-        the same rows, no request waiting to join, a free cache column for every row, and some
+        the same rows, no request waiting that could join now (a full batch admits none until a
+        row ends, which only reading ``step`` tells), a free cache column for every row, and some
         row that does not reach its ``max_new_tokens`` with ``step``'s token."""
         return (
             self.config.decode_lookahead
             and step.index == list(range(step.chosen.shape[0]))  # ``index`` follows the running rows
-            and not self._waiting
+            and (not self._waiting or len(self._rows) >= self.config.max_batch_size)
             and max(self._pos) + 1 < self._context
             and any(len(row.output_ids) + 1 < row.max_new_tokens for row in self._rows)
         )

@@ -163,6 +163,35 @@ def test_decoding_ahead_of_the_host_gives_the_rows_of_step_by_step_decoding(
     assert any(a.output_top_logprobs for a in ahead)
 
 
+def test_a_full_batch_decodes_ahead_while_a_request_waits_and_the_request_joins_later(
+    model_dir: Path, adapter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rows per batch and three requests: while the third waits for a free row, the two running
+    rows still decode ahead of the host (the full batch could not admit it anyway); it joins once a
+    row ends, and every row gets the tokens of step-by-step decoding."""
+    launched_while_waiting = []
+    launch = StaticCacheEngine._launch
+
+    def counting(self: StaticCacheEngine, after: Any) -> Any:
+        if after is not None and self._waiting:
+            launched_while_waiting.append(len(self._waiting))
+        return launch(self, after)
+
+    monkeypatch.setattr(StaticCacheEngine, "_launch", counting)
+    adapters = {name: adapter_dirs[name] for name in ("ad0", "ad1")}
+    reqs = [
+        SequenceRequest(input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0, lora_name="ad0"),
+        SequenceRequest(input_ids=[1, 2, 3, 4], max_new_tokens=12, temperature=0.0, lora_name="ad1"),
+        SequenceRequest(input_ids=[9, 8], max_new_tokens=6, temperature=0.0),
+    ]
+    small = {"max_batch_size": 2}
+    ahead, ahead_counts = _generate_all(static_config(model_dir, **small), adapters, reqs)
+    steps, _ = _generate_all(static_config(model_dir, decode_lookahead=False, **small), adapters, reqs)
+    assert ahead_counts.prefill_joins == 1 and launched_while_waiting
+    assert [r.output_ids for r in ahead] == [r.output_ids for r in steps]
+    assert [len(r.output_ids) for r in ahead] == [4, 12, 6]
+
+
 # ---------------------------------------------------------------- CUDA (bf16, graphs)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
