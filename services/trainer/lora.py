@@ -209,7 +209,14 @@ class SlotRouting:
             st = self.static
             rank = max(self.configs[seg.slot].rank for seg in self.segments)
             self._groups[key] = GroupLayout(
-                rank=rank, source=st.source, offsets=st.offsets, real=st.source, real_slots=st.slots, real_scale=st.scales
+                rank=rank,
+                source=st.source,
+                offsets=st.offsets,
+                real=st.source,
+                real_slots=st.slots,
+                real_scale=st.scales,
+                every=True,
+                scale=None,  # the recording serves slots of other ranks: the scales stay tensors
             )
         if key not in self._groups:
             slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
@@ -219,6 +226,7 @@ class SlotRouting:
                 for seg in self.segments
             ]  # len(routed): the compute rows' all-zero row
             real = [g for g, row in enumerate(source) if row < len(routed)]
+            scales = {lora_scaling(self.configs[self.segments[g].slot].rank) for g in real}
             self._groups[key] = GroupLayout(
                 rank=max(self.configs[s].rank for s in slots),
                 source=torch.tensor(source, device=x.device),
@@ -228,6 +236,8 @@ class SlotRouting:
                 real_scale=torch.tensor(
                     [lora_scaling(self.configs[self.segments[g].slot].rank) for g in real], device=x.device
                 ),
+                every=len(real) == len(self.segments),
+                scale=scales.pop() if len(scales) == 1 else None,
             )
         return self._groups[key]
 
@@ -265,6 +275,8 @@ class GroupLayout:
     real: torch.Tensor  # int64: the groups whose slot trains these modules
     real_slots: torch.Tensor  # int64: the slot of each of them (where its gradient goes)
     real_scale: torch.Tensor  # fp32: that slot's alpha/rank (its B's gradient is scaled by it)
+    every: bool  # every group is real: a gradient needs no selection of its real groups
+    scale: float | None  # the real groups' one alpha/rank where they share it
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -473,12 +485,16 @@ class SlotAdapter(nn.Module):
         assert a_grads is not None and b_grads is not None
 
         def a_sink(g: torch.Tensor) -> None:  # [G, w, in]: each real group into its slot's row
-            real = g.index_select(0, layout.real)[:, :width].unflatten(1, (parts, r))
+            real = (g if layout.every else g.index_select(0, layout.real))[:, :width].unflatten(1, (parts, r))
             a_grads[:, :, :r].index_add_(0, layout.real_slots, real.to(a_grads.dtype))
 
         def b_sink(g: torch.Tensor) -> None:  # [G, out, w]
-            real = self._diagonal(g.index_select(0, layout.real)[..., :width], r).to(b_grads.dtype)
-            b_grads[:, :, :r].index_add_(0, layout.real_slots, real * layout.real_scale.view(-1, 1, 1))
+            real = self._diagonal((g if layout.every else g.index_select(0, layout.real))[..., :width], r)
+            real = real.to(b_grads.dtype)
+            if layout.scale is not None:  # one alpha/rank for all: the addition scales (no product)
+                b_grads[:, :, :r].index_add_(0, layout.real_slots, real, alpha=layout.scale)
+            else:
+                b_grads[:, :, :r].index_add_(0, layout.real_slots, real * layout.real_scale.view(-1, 1, 1))
 
         a = _ToRows.apply(self.lora_A, a, a_sink)
         b = _ToRows.apply(self.lora_B, b, b_sink)
