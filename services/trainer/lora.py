@@ -226,18 +226,16 @@ class SlotRouting:
                 for seg in self.segments
             ]  # len(routed): the compute rows' all-zero row
             real = [g for g, row in enumerate(source) if row < len(routed)]
-            scales = {lora_scaling(self.configs[self.segments[g].slot].rank) for g in real}
+            scales = [lora_scaling(self.configs[self.segments[g].slot].rank) for g in real]
             self._groups[key] = GroupLayout(
                 rank=max(self.configs[s].rank for s in slots),
                 source=torch.tensor(source, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
                 real=torch.tensor(real, device=x.device),
                 real_slots=torch.tensor([self.segments[g].slot for g in real], device=x.device),
-                real_scale=torch.tensor(
-                    [lora_scaling(self.configs[self.segments[g].slot].rank) for g in real], device=x.device
-                ),
+                real_scale=torch.tensor(scales, device=x.device),
                 every=len(real) == len(self.segments),
-                scale=scales.pop() if len(scales) == 1 else None,
+                scale=scales[0] if len(set(scales)) == 1 else None,
             )
         return self._groups[key]
 
@@ -630,7 +628,7 @@ class PooledRows:
     def compute_rows(self, routing: SlotRouting, dtype: torch.dtype) -> tuple[torch.Tensor, dict[int, int]]:
         """The rows of the current forward's slots in the compute ``dtype``, every ``B`` scaled
         by its slot's ``alpha/rank`` (the product in fp32, then one rounding), and each slot's
-        position among them (the forward's slots in ascending order, ``routed_positions``); with
+        position among them (the forward's slots in ascending order, ``routed_slots``); with
         several slots, one all-zero row follows theirs (``GroupLayout.source``).
 
         Built once per forward (``routing.generation``): two kernels per run of columns and slot,
@@ -657,13 +655,14 @@ class PooledRows:
                             torch.mul(source[:, lo:hi], st.scales[:, None], out=buffer[: len(slots), lo:hi])
                         else:
                             buffer[: len(slots), lo:hi].copy_(source[:, lo:hi])
-                for i, slot in enumerate(slots if routing.static is None else []):
-                    scale = lora_scaling(routing.configs[slot].rank)
-                    for is_b, lo, hi in self.runs:
-                        if is_b:
-                            torch.mul(self.values[slot, lo:hi], scale, out=buffer[i, lo:hi])
-                        else:
-                            buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
+                else:  # each slot's row by its number (no index tensor to upload)
+                    for i, slot in enumerate(slots):
+                        scale = lora_scaling(routing.configs[slot].rank)
+                        for is_b, lo, hi in self.runs:
+                            if is_b:
+                                torch.mul(self.values[slot, lo:hi], scale, out=buffer[i, lo:hi])
+                            else:
+                                buffer[i, lo:hi].copy_(self.values[slot, lo:hi])
             self._computed_for, self._positions = key, {slot: i for i, slot in enumerate(slots)}
         assert self._compute is not None
         return self._compute, self._positions

@@ -325,7 +325,7 @@ class SlotAdamW:
                 reports[slot] = self._checked_step(slot, tensors, v, present, norm, hp)
         for (lr, beta1, beta2, eps, wd, step), members in groups.items():
             params: list[torch.Tensor] = []
-            grads_: list[torch.Tensor] = []
+            group_grads: list[torch.Tensor] = []
             exp_avg: list[torch.Tensor] = []
             exp_avg_sq: list[torch.Tensor] = []
             to_zero: list[torch.Tensor] = []
@@ -336,7 +336,7 @@ class SlotAdamW:
                     in_rows.append(requests[i][0])
                     continue
                 params += v.values
-                grads_ += [
+                group_grads += [
                     torch.zeros_like(p) if g is None else g for p, g in zip(v.values, v.grads, strict=True)
                 ]
                 exp_avg += v.exp_avg
@@ -347,7 +347,7 @@ class SlotAdamW:
                 assert rows is not None and m_rows is not None and v_rows is not None
                 for start, stop in _runs(in_rows):  # one tensor per run of consecutive slots
                     params.append(rows.values[start:stop])
-                    grads_.append(rows.grads[start:stop])
+                    group_grads.append(rows.grads[start:stop])
                     exp_avg.append(m_rows[start:stop])
                     exp_avg_sq.append(v_rows[start:stop])
                     to_zero.append(rows.grads[start:stop])
@@ -355,7 +355,7 @@ class SlotAdamW:
             with torch.no_grad():
                 torch._fused_adamw_(
                     params,
-                    grads_,
+                    group_grads,
                     exp_avg,
                     exp_avg_sq,
                     [],
@@ -392,7 +392,7 @@ class SlotAdamW:
         step = self.steps.get(slot, 0) + 1
         self.steps[slot] = step
         params = views.values
-        grads_ = (
+        group_grads = (
             present
             if len(present) == len(params)
             else [torch.zeros_like(p) if g is None else g for p, g in zip(params, views.grads, strict=True)]
@@ -406,7 +406,7 @@ class SlotAdamW:
             if state:
                 torch._foreach_copy_(before, state)  # to roll back a step that leaves non-finite values
             try:
-                self._update(params, grads_, exp_avg, exp_avg_sq, hp, step, denom=scratch[3])
+                self._update(params, group_grads, exp_avg, exp_avg_sq, hp, step, denom=scratch[3])
                 problem = (
                     None if all_finite(state, tensors) else "would have left non-finite weights or moments"
                 )
