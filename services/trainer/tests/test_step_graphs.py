@@ -226,6 +226,29 @@ def test_batches_of_mixed_modules_or_past_the_token_limit_take_the_plain_path(
     assert static._graphed([ce_datum(rng, 3, 10)], top_k=False)
 
 
+def _batch(rng: np.random.Generator, *docs: tuple[int, int]) -> list[DatumInput]:
+    """Cross-entropy datums of (slot, tokens)."""
+    return [ce_datum(rng, slot, n) for slot, n in docs]
+
+
+def _assert_steps_alike(first: TrainerEngine, second: TrainerEngine, calls: list[list[DatumInput]]) -> None:
+    """Each call's ``forward_backward`` then an optimizer step of its slots on both engines: the
+    log-probabilities, losses, gradients and adapters after the step are bit-identical."""
+    for i, call in enumerate(calls):
+        outs = [engine.forward_backward(call, "cross_entropy") for engine in (first, second)]
+        for a, b in zip(*outs, strict=True):
+            assert np.array_equal(a.logprobs, b.logprobs) and a.loss == b.loss, i
+        slots = sorted({d.slot for d in call})
+        for slot in slots:
+            got, want = _grads(first, slot), _grads(second, slot)
+            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
+        for engine in (first, second):
+            engine.optim_step(dict.fromkeys(slots, HP))
+        for slot in slots:
+            got, want = first.get_slot_state(slot).adapter, second.get_slot_state(slot).adapter
+            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
+
+
 def test_replays_of_a_recording_give_the_static_steps_results_bit_for_bit(qwen_dir: Path) -> None:
     """With a recorder (``EagerRecorder`` on the CPU), steps of one shape replay its recording: two
     steps of slot 1 and one of slot 0 (one recording serves both slots), then two of slots 0 and 2
@@ -238,25 +261,9 @@ def test_replays_of_a_recording_give_the_static_steps_results_bit_for_bit(qwen_d
     replayed.step_graphs.recorder = recorder
     _reset((replayed, eager))
     rng = np.random.default_rng(4)
-
-    def batch(*docs: tuple[int, int]) -> list[DatumInput]:
-        return [ce_datum(rng, slot, n) for slot, n in docs]
-
-    calls = [batch((1, 30), (1, 200)), batch((1, 100), (1, 17)), batch((0, 150), (0, 60))]
-    calls += [batch((2, 50), (0, 90)), batch((0, 60), (2, 80))]
-    for i, call in enumerate(calls):
-        outs = [engine.forward_backward(call, "cross_entropy") for engine in (replayed, eager)]
-        for a, b in zip(*outs, strict=True):
-            assert np.array_equal(a.logprobs, b.logprobs) and a.loss == b.loss, i
-        slots = sorted({d.slot for d in call})
-        for slot in slots:
-            got, want = _grads(replayed, slot), _grads(eager, slot)
-            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
-        for engine in (replayed, eager):
-            engine.optim_step(dict.fromkeys(slots, HP))
-        for slot in slots:
-            got, want = replayed.get_slot_state(slot).adapter, eager.get_slot_state(slot).adapter
-            assert all(torch.equal(got[k], want[k]) for k in want), (i, slot)
+    calls = [_batch(rng, (1, 30), (1, 200)), _batch(rng, (1, 100), (1, 17)), _batch(rng, (0, 150), (0, 60))]
+    calls += [_batch(rng, (2, 50), (0, 90)), _batch(rng, (0, 60), (2, 80))]
+    _assert_steps_alike(replayed, eager, calls)
     only = [engine.forward_backward(calls[0], "cross_entropy", forward_only=True) for engine in (replayed, eager)]
     assert all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(*only, strict=True))
     assert recorder.recorded == 2 and replayed.step_graphs.replays == 6
@@ -281,26 +288,10 @@ def test_cuda_step_graph_replays_equal_the_static_step_run_eagerly_bit_for_bit(q
         for slot in range(4):
             randomize_slot(engine, slot, X, seed=20 + slot)
     rng = np.random.default_rng(1)
-
-    def batch(*docs: tuple[int, int]) -> list[DatumInput]:
-        return [ce_datum(rng, slot, n) for slot, n in docs]
-
     # each of the first three: 256 tokens, 4 documents, the longest 256; then two slots of 140
-    calls = [batch((1, 30), (1, 200)), batch((1, 100), (1, 17)), batch((2, 150), (2, 60))]
-    calls += [batch((1, 50), (0, 90)), batch((2, 90), (3, 50))]
-    for i, call in enumerate(calls):
-        if i == len(calls) - 1:
-            assert all(not v.any() for v in _grads(graphs, 3).values())
-        outs = [engine.forward_backward(call, "cross_entropy") for engine in (graphs, eager)]
-        for a, b in zip(*outs, strict=True):
-            assert np.array_equal(a.logprobs, b.logprobs) and a.loss == b.loss
-        slots = sorted({d.slot for d in call})
-        for slot in slots:
-            g, e = _grads(graphs, slot), _grads(eager, slot)
-            assert all(torch.equal(g[k], e[k]) for k in e), (i, slot)
-        for engine in (graphs, eager):
-            engine.optim_step(dict.fromkeys(slots, HP))
-        for slot in slots:
-            a, b = graphs.get_slot_state(slot).adapter, eager.get_slot_state(slot).adapter
-            assert all(torch.equal(a[k], b[k]) for k in b), (i, slot)
+    calls = [_batch(rng, (1, 30), (1, 200)), _batch(rng, (1, 100), (1, 17)), _batch(rng, (2, 150), (2, 60))]
+    calls += [_batch(rng, (1, 50), (0, 90)), _batch(rng, (2, 90), (3, 50))]
+    _assert_steps_alike(graphs, eager, calls[:-1])
+    assert all(not v.any() for v in _grads(graphs, 3).values())
+    _assert_steps_alike(graphs, eager, calls[-1:])
     assert graphs.step_graphs.recorded == 2 and graphs.step_graphs.replays == 5
