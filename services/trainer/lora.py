@@ -380,8 +380,8 @@ class SlotAdapter(nn.Module):
             g = g.view(grads.shape[1], rank, grads.shape[3])
             if index is None:
                 grads[slot, :, :rank].add_(g)
-            else:  # one addition per element, as add_ (the index is one slot)
-                grads[:, :, :rank].index_add_(0, index, g.unsqueeze(0))
+            else:  # one addition per element, as add_ (the index is one slot; add_ casts, index_add_ not)
+                grads[:, :, :rank].index_add_(0, index, g.unsqueeze(0).to(grads.dtype))
 
         return _ToRows.apply(self.lora_A, a, sink)
 
@@ -400,7 +400,8 @@ class SlotAdapter(nn.Module):
             if index is None:
                 grads[slot, :, :rank].add_(self._diagonal(g, rank), alpha=scale)
             else:
-                grads[:, :, :rank].index_add_(0, index, self._diagonal(g, rank).unsqueeze(0), alpha=scale)
+                source = self._diagonal(g, rank).unsqueeze(0).to(grads.dtype)
+                grads[:, :, :rank].index_add_(0, index, source, alpha=scale)
 
         return _ToRows.apply(self.lora_B, b, sink)
 

@@ -21,6 +21,7 @@ kernel is used only on a device where a probe at first use found exactly that.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
+
+log = logging.getLogger(__name__)
 
 _cache: dict[str, Any] = {"key": None, "positions": None, "tables": None, "tables_key": None}
 _original: Any = None
@@ -94,18 +97,27 @@ def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleave
 
 def _probe(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
     """The kernel against megatron's function on a small strided input, forward and backward:
-    True only where it compiles and every bit agrees."""
+    True only where it compiles and every bit agrees (else logged once, with why)."""
+    why = probe_mismatch(device, dtype, dim)
+    if why:
+        log.warning("RoPE runs megatron's elementwise path on %s %s: the fused kernel %s", device, dtype, why)
+    return not why
+
+
+def probe_mismatch(device: torch.device, dtype: torch.dtype, dim: int) -> str:
+    """Why the fused kernel may not serve this device and dtype ("" where it is bit-identical to
+    megatron's function, forward and backward)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     try:
         with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
-            return _probe_with_grad(rope_utils, device, dtype, dim)
-    except Exception:  # any failure to compile or run (Triton raises several types): megatron's path
-        return False
+            return _compare_with_grad(rope_utils, device, dtype, dim)
+    except Exception as exc:  # any failure to compile or run (Triton raises several types)
+        return f"failed: {type(exc).__name__}: {exc}"
 
 
-def _probe_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, dim: int) -> bool:
-    """``_probe``'s comparison, with autograd on."""
+def _compare_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, dim: int) -> str:
+    """``probe_mismatch``'s comparison, with autograd on."""
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, heads = 37, 3
     x = torch.randn(tokens, heads + 2, dim, generator=gen, device=device).to(dtype)[:, :heads]
@@ -121,7 +133,13 @@ def _probe_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, 
     ref.backward(grad)
     got_grad, ref_grad = got_x.grad, ref_x.grad
     assert got_grad is not None and ref_grad is not None
-    return bool(torch.equal(got, ref)) and bool(torch.equal(got_grad, ref_grad))
+    parts = []
+    for name, a, b in (("forward", got, ref), ("backward", got_grad, ref_grad)):
+        differ = a != b
+        if bool(differ.any()):
+            worst = (a.float() - b.float()).abs().max().item()
+            parts.append(f"{name} differs in {int(differ.sum())} of {a.numel()} values (max {worst:.3g})")
+    return "; ".join(parts)
 
 
 def _rope_thd(

@@ -45,6 +45,7 @@ def test_packed_rope_equals_megatron_per_document_forward_and_backward(device: s
     got_t = qkv[:, :heads].detach().requires_grad_()
     ref_t = qkv[:, :heads].detach().clone().requires_grad_()
     if device == "cuda":
+        assert packed_rope.probe_mismatch(got_t.device, dtype, dim) == ""
         assert packed_rope.fused_rope_supported(got_t, freqs, False, False)
     got = packed_rope._rope_thd(got_t, cu, freqs)
     ref = _megatron_thd(ref_t, cu, freqs)
