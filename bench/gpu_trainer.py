@@ -111,6 +111,11 @@ class Bench(BenchRun):
     def doc_len(self, n: int) -> int:
         return TINY_LEN.get(n, max(2, n // 64)) if self.tiny else n
 
+    def fits(self, workload: str) -> bool:
+        """Whether ``workload``'s tokens are within ``--max-tokens`` (all are without it)."""
+        _, doc_len, docs, _ = next(w for w in ENGINE_WORKLOADS if w[0] == workload)
+        return self.args.max_tokens is None or doc_len * docs <= self.args.max_tokens
+
     def peak_reset(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -364,6 +369,8 @@ class Bench(BenchRun):
 
         by_name = {w[0]: w for w in ENGINE_WORKLOADS}
         for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
+            if not self.fits(name):
+                continue
             if self.time_left() < 240:
                 self.log("skipping", name, "(deadline)")
                 continue
@@ -373,7 +380,7 @@ class Bench(BenchRun):
         for path in CE_PATHS if fused_ok else ():
             engine.fused_ce = path == "fused-ce"
             for name in by_name:
-                if self.time_left() < 200:
+                if not self.fits(name) or self.time_left() < 200:
                     continue
                 run(*by_name[name], label=f"{backend} {path}")
         engine.fused_ce = default
@@ -383,7 +390,7 @@ class Bench(BenchRun):
         engine.step_graphs = engine.new_step_graphs()
         if engine.step_graphs is not None:
             for name in ("1x1024", "2x1024", "4x1024", "1x4096", "16x256", "16x256 8 tenants"):
-                if name in by_name and self.time_left() > 200:
+                if self.fits(name) and self.time_left() > 200:
                     run(*by_name[name], label=f"{backend} step-graphs")
             graphs = engine.step_graphs
             self.results.put(
@@ -402,7 +409,7 @@ class Bench(BenchRun):
         for other in others:
             swap(other)
             for name in BACKEND_WORKLOADS:
-                if self.time_left() < 200:
+                if not self.fits(name) or self.time_left() < 200:
                     continue
                 try:
                     # One probe step first: a backend that recompiles on every forward would
@@ -694,6 +701,8 @@ class Bench(BenchRun):
         by_name = {w[0]: w for w in ENGINE_WORKLOADS}
         profile_batch = None
         for name in HF_WORKLOADS:
+            if not self.fits(name):
+                continue
             if self.time_left() < 60:
                 self.log("skipping hf", name, "(deadline)")
                 continue
@@ -898,6 +907,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="skip workloads of more tokens (a card of less memory)"
+    )
     args = parser.parse_args(argv)
     bench = Bench(args)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
