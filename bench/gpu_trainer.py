@@ -297,6 +297,19 @@ class Bench(BenchRun):
             out.append(DatumInput(i % tenants, seq[:-1], {"target_tokens": seq[1:], "weights": weights}))
         return out
 
+    def attempt(self, key: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """``fn()``, or None with the error recorded under ``key`` (one row out of memory on a
+        smaller card leaves the section's other rows)."""
+        try:
+            return fn()
+        except Exception:
+            self.results.error(key, traceback.format_exc())
+            self.log("!!", key, traceback.format_exc().splitlines()[-1])
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+            return None
+
     def measure(self, fn: Callable[[], Any], lens: list[int]) -> dict[str, Any]:
         self.peak_reset()
         times, result = time_calls(fn, self.args.warmup, self.args.iters, self.sync)
@@ -352,7 +365,7 @@ class Bench(BenchRun):
         self.results.put("engine", "fused_ce", fused_ok)
         engine.fused_ce = None if fused_ok else False
 
-        def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any]:
+        def run(name: str, doc_len: int, docs: int, tenants: int, label: str) -> dict[str, Any] | None:
             n = self.doc_len(doc_len)
             datums = self.datums(n, docs, tenants)
 
@@ -360,7 +373,11 @@ class Bench(BenchRun):
                 outs = engine.forward_backward(datums, "cross_entropy")
                 return float(sum(o.loss for o in outs))
 
-            m = self.measure(step, [n] * docs)
+            m = self.attempt(f"engine/{label}/{name}", lambda: self.measure(step, [n] * docs))
+            if m is None:
+                for slot in range(8):
+                    engine.discard_grads(slot)
+                return None
             m.update(
                 workload=name, backend=label, tenants=tenants, loss_finite=bool(np.isfinite(m.pop("result")))
             )
@@ -376,15 +393,6 @@ class Bench(BenchRun):
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        default = engine.fused_ce
-        for path in CE_PATHS if fused_ok else ():
-            engine.fused_ce = path == "fused-ce"
-            for name in by_name:
-                if not self.fits(name) or self.time_left() < 200:
-                    continue
-                run(*by_name[name], label=f"{backend} {path}")
-        engine.fused_ce = default
-
         # the workloads of at most 4,096 tokens as static steps replayed from CUDA graphs
         # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls)
         engine.step_graphs = engine.new_step_graphs()
@@ -398,6 +406,15 @@ class Bench(BenchRun):
             )
             self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
         engine.step_graphs = None
+
+        default = engine.fused_ce
+        for path in CE_PATHS if fused_ok else ():
+            engine.fused_ce = path == "fused-ce"
+            for name in by_name:
+                if not self.fits(name) or self.time_left() < 200:
+                    continue
+                run(*by_name[name], label=f"{backend} {path}")
+        engine.fused_ce = default
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
@@ -716,9 +733,12 @@ class Bench(BenchRun):
                 out.loss.backward()
                 return float(out.loss.detach())
 
+            m = self.attempt(f"{table}/{name}", functools.partial(self.measure, step, [n] * docs))
+            if m is None:
+                model.zero_grad(set_to_none=True)
+                continue
             if name == PROFILE_WORKLOAD:
                 profile_batch = step
-            m = self.measure(step, [n] * docs)
             m.update(
                 workload=name,
                 backend=label,
