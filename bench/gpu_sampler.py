@@ -341,19 +341,22 @@ class Bench(BenchRun):
             self.row("profile", row)
             for name, g in kernels.items():
                 self.log(f"   {name:28s} {g['count']:7.0f} kernels {g['ms']:8.3f} ms")
-            if batch <= ops.GROUP_ROWS:  # the expand kernel's columns per program: the other choice
-                chosen, key = ops.SMALL_CHUNK, (batch, window, span)
-                other = 128 if chosen != 128 else 1024
+            variants = []  # (decode_ops setting, the other choice, label), each timed in a graph of its own
+            if batch <= ops.GROUP_ROWS:  # the expand kernel's columns per program
+                other = 128 if ops.SMALL_CHUNK != 128 else 1024
+                variants.append(("SMALL_CHUNK", other, f"expand chunk {other}"))
+            if batch <= ops.FUSED_EXPAND_ROWS and span != 0:  # q/k/v and gate/up terms in their own kernels
+                variants.append(("FUSED_EXPAND_ROWS", 0, "q/k/v and gate/up expand kernels"))
+            key = (batch, window, span)
+            for setting, other, label in variants:
+                chosen = getattr(ops, setting)
                 try:
-                    ops.SMALL_CHUNK = other
+                    setattr(ops, setting, other)
                     engine._graphs.pop(key, None)
                     engine._step_outputs(batch, window, span)
-                    self.row(
-                        "profile_variants",
-                        {"batch": batch, "variant": f"expand chunk {other}", "replay_ms": replay_ms(step)},
-                    )
+                    self.row("profile_variants", {"batch": batch, "variant": label, "replay_ms": replay_ms(step)})
                 finally:
-                    ops.SMALL_CHUNK = chosen
+                    setattr(ops, setting, chosen)
                     engine._graphs.pop(key, None)
                     engine._step_outputs(batch, window, span)
             ablate = getattr(engine, "profile_variants", None)

@@ -24,6 +24,13 @@ the CUDA tests hold the kernels to, and what runs on the CPU.
   row (grouped-query heads share their KV head), in blocks of ``SPLIT`` columns whose partial
   softmax states are then combined; blocks past a row's length read nothing.
 * ``silu_mul``: ``silu(gate) * up`` of the fused gate/up output.
+
+In a step of at most ``FUSED_EXPAND_ROWS`` rows, the q/k/v and gate/up projections skip their
+expand kernel: ``qk_rope_cache`` and ``silu_mul`` take a ``RowLora`` and add each row's LoRA
+term to the columns they read, from the row's own slot's ``x A^T`` columns and ``B`` (no slot:
+nothing), rounded as ``add_lora`` rounds it. Each row reads its slot's ``B`` itself, which at
+small batches costs less than a kernel launch; at larger ones the grouped expand reads each
+slot's ``B`` once per tile of its rows.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +64,33 @@ ROW_PROGRAMS = 4
 """Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:
 docs/benchmarks.md, "The CUDA engine: decode steps")."""
+
+FUSED_EXPAND_ROWS = 16
+"""Steps of at most this many rows add the q/k/v and gate/up LoRA terms inside the kernels that
+read those outputs next (``RowLora``); 0 turns it off (``bench/gpu_sampler.py``'s profile times
+both)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowLora:
+    """A folded projection's LoRA term, left for the kernel that reads its output next: ``b``
+    (slots, out, r), each member's ``B`` over its output columns; ``slots`` (B,), each row's slot
+    (-1: none); ``out`` base columns, member offsets ``bounds``, ``r_total`` columns per slot."""
+
+    b: torch.Tensor
+    slots: torch.Tensor
+    out: int
+    bounds: list[int]
+    r_total: int
+
+    def apply_torch(self, y: torch.Tensor) -> torch.Tensor:
+        """``y[:, :out]`` plus each row's term (the torch path: a new tensor)."""
+        return lora_expand_torch(y[:, None, :], self.out, self.b, self.slots, self.bounds, self.r_total)[:, 0, :]
+
+
+def fuses_expand(x: torch.Tensor) -> bool:
+    """Whether a step of rows ``x`` adds its q/k/v and gate/up LoRA terms in the next kernels."""
+    return use_triton(x) and x.shape[0] <= FUSED_EXPAND_ROWS
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -224,10 +259,25 @@ if triton is not None:
                     )
 
     @triton.jit
+    def _plus_row_lora(x, y_row, b_ptr, slot, n_out, r_total, member, cols, col_mask, RANK: tl.constexpr):
+        # x (N,) columns ``cols`` of one row of a folded projection's output ``y_row``, plus the
+        # row's LoRA term: its slot's x A^T columns of ``member`` times that slot's B rows ``cols``,
+        # rounded to x's dtype before the sum as add_lora's kernel rounds it. Slot -1: x itself.
+        use = slot >= 0
+        s = tl.maximum(slot, 0)
+        ks = tl.arange(0, RANK)
+        h = tl.load(y_row + n_out + s * r_total + member * RANK + ks, mask=use, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + s * n_out * RANK + cols[:, None] * RANK + ks[None, :], mask=use & col_mask[:, None], other=0.0)
+        delta = tl.sum(bt.to(tl.float32) * h[None, :], axis=1)
+        summed = (x.to(tl.float32) + delta.to(x.dtype).to(tl.float32)).to(x.dtype)
+        return tl.where(use, summed, x)
+
+    @triton.jit
     def _qk_rope_cache_kernel(
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-        qkv_stride, cache_row, cache_head, cache_col, eps,
+        b_ptr, slot_ptr, n_out, r_total, qkv_stride, cache_row, cache_head, cache_col, eps,
         HEADS: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+        RANK: tl.constexpr, HAS_LORA: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         head = tl.program_id(1)  # [0, H): q heads, [H, H + KV): k heads, then v heads
@@ -236,6 +286,12 @@ if triton is not None:
         base = qkv_ptr + row * qkv_stride + head * D
         x1 = tl.load(base + half, mask=hm, other=0.0)
         x2 = tl.load(base + D // 2 + half, mask=hm, other=0.0)
+        if HAS_LORA:
+            slot = tl.load(slot_ptr + row)
+            member = (head >= HEADS).to(tl.int32) + (head >= HEADS + KV).to(tl.int32)
+            y_row = qkv_ptr + row * qkv_stride
+            x1 = _plus_row_lora(x1, y_row, b_ptr, slot, n_out, r_total, member, head * D + half, hm, RANK)
+            x2 = _plus_row_lora(x2, y_row, b_ptr, slot, n_out, r_total, member, head * D + D // 2 + half, hm, RANK)
         pos = tl.load(pos_ptr + row)
         kv_head = head - HEADS
         if head >= HEADS + KV:  # v: into the cache as it is
@@ -336,12 +392,21 @@ if triton is not None:
         tl.store(o_ptr + (row * HEADS + head) * D + ds, o.to(o_ptr.dtype.element_ty), mask=ds < D)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n, gu_stride, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        gu_ptr, out_ptr, n, gu_stride, b_ptr, slot_ptr, r_total,
+        BLOCK: tl.constexpr, RANK: tl.constexpr, HAS_LORA: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
-        g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * gu_stride + n + cols, mask=mask, other=0.0)
+        y_row = gu_ptr + row * gu_stride
+        g = tl.load(y_row + cols, mask=mask, other=0.0)
+        u = tl.load(y_row + n + cols, mask=mask, other=0.0)
+        if HAS_LORA:
+            slot = tl.load(slot_ptr + row)
+            g = _plus_row_lora(g, y_row, b_ptr, slot, 2 * n, r_total, 0, cols, mask, RANK)
+            u = _plus_row_lora(u, y_row, b_ptr, slot, 2 * n, r_total, 1, n + cols, mask, RANK)
+        g = g.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (act * u.to(tl.float32)).to(u.dtype), mask=mask)
 
@@ -429,11 +494,15 @@ def qk_rope_cache(
     positions: torch.Tensor,
     heads: int,
     kv_heads: int,
+    lora: RowLora | None = None,
 ) -> torch.Tensor:
     """q (B, H, D) of one token per row; its k and v written into cache rows ``[0, B)`` at
-    ``positions``.  ``cos``/``sin``: (B, D); caches (rows, KV, columns, D) of one layer."""
+    ``positions``.  ``cos``/``sin``: (B, D); caches (rows, KV, columns, D) of one layer.
+    ``lora``: ``qkv`` is the whole folded output, whose LoRA term is added here."""
     b = qkv.shape[0]
     d = cos.shape[-1]
+    if lora is not None and not use_triton(qkv):
+        qkv = lora.apply_torch(qkv)
     if not use_triton(qkv):
         q, k, v = qk_heads_torch(
             qkv[:, None], q_norm, k_norm, eps, cos[:, None], sin[:, None], heads, kv_heads
@@ -447,9 +516,11 @@ def qk_rope_cache(
     kernel[(b, heads + 2 * kv_heads)](
         qkv, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
         cos, sin, q_out, k_cache, v_cache, positions,
+        lora.b if lora is not None else cos, lora.slots if lora is not None else positions,
+        lora.out if lora is not None else 0, lora.r_total if lora is not None else 0,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         HEADS=heads, KV=kv_heads, D=d, HALF_P2=triton.next_power_of_2(d // 2), HAS_NORM=q_norm is not None,
-        num_warps=1,
+        RANK=lora.b.shape[2] if lora is not None else 1, HAS_LORA=lora is not None, num_warps=1,
     )  # fmt: skip
     return q_out
 
@@ -487,13 +558,19 @@ def decode_attention(
     return o
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of rows ``gu`` (B, 2F) = [gate | up] (rows may be strided)."""
+def silu_mul(gu: torch.Tensor, lora: RowLora | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of rows ``gu`` (B, 2F) = [gate | up] (rows may be strided).
+    ``lora``: ``gu`` is the whole folded output (B, 2F + span * R), whose LoRA term is added here."""
     if not use_triton(gu):
-        return silu_mul_torch(gu)
-    b, two_n = gu.shape
-    n = two_n // 2
+        return silu_mul_torch(lora.apply_torch(gu) if lora is not None else gu)
+    b = gu.shape[0]
+    n = (lora.out if lora is not None else gu.shape[1]) // 2
     out = torch.empty(b, n, device=gu.device, dtype=gu.dtype)
+    block = 256 if lora is not None else 1024  # a (block, rank) tile of B per program
     kernel: Any = _silu_mul_kernel
-    kernel[(b, triton.cdiv(n, 1024))](gu, out, n, gu.stride(0), BLOCK=1024, num_warps=4)
+    kernel[(b, triton.cdiv(n, block))](
+        gu, out, n, gu.stride(0), lora.b if lora is not None else gu, lora.slots if lora is not None else gu,
+        lora.r_total if lora is not None else 0, BLOCK=block, RANK=lora.b.shape[2] if lora is not None else 1,
+        HAS_LORA=lora is not None, num_warps=4,
+    )  # fmt: skip
     return out

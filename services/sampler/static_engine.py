@@ -356,13 +356,33 @@ class StaticCacheEngine(HFEngine):
         every row's slot is below it, so the GEMM reads the ``A`` rows of the first ``span``
         slots only (None: all; 0: the base rows alone, and no LoRA term). On CUDA the result is
         a view of the folded GEMM's output (rows strided)."""
-        r_total = p.lora.a.shape[1]
-        rows = p.weight.shape[0] if span is None else p.out + span * r_total
-        bias = None if p.bias is None else p.bias[:rows]
-        y = F.linear(x, p.weight[:rows], bias)
+        y = StaticCacheEngine._gemm(p, x, span)
         if span == 0:
             return y
-        return ops.add_lora(y, p.out, p.lora.b, slots, p.lora.bounds, groups, r_total)
+        return ops.add_lora(y, p.out, p.lora.b, slots, p.lora.bounds, groups, p.lora.a.shape[1])
+
+    @staticmethod
+    def _gemm(p: _Projection, x: torch.Tensor, span: int | None) -> torch.Tensor:
+        """The folded GEMM: ``x`` through the base rows and the ``A`` rows of the first ``span``
+        slots (None: all)."""
+        rows = p.weight.shape[0] if span is None else p.out + span * p.lora.a.shape[1]
+        return F.linear(x, p.weight[:rows], None if p.bias is None else p.bias[:rows])
+
+    @classmethod
+    def _project_deferred(
+        cls,
+        p: _Projection,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        groups: tuple[torch.Tensor, torch.Tensor] | None,
+        span: int | None,
+        defer: bool,
+    ) -> tuple[torch.Tensor, ops.RowLora | None]:
+        """``_project``, or with ``defer`` the folded GEMM's whole output and the LoRA term for the
+        kernel that reads it next to add (``ops.RowLora``)."""
+        if not defer:
+            return cls._project(p, x, slots, groups, span), None
+        return cls._gemm(p, x, span), ops.RowLora(p.lora.b, slots, p.out, p.lora.bounds, p.lora.a.shape[1])
 
     @staticmethod
     def _project_seq(p: _Projection, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -399,18 +419,19 @@ class StaticCacheEngine(HFEngine):
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()  # (b, D)
         lengths = positions + 1
         groups = ops.group_rows(slots, self._pool.slots) if ops.use_triton(x) and span != 0 else None
+        fuse = span != 0 and ops.fuses_expand(x)  # q/k/v and gate/up terms added by the next kernels
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self._fused):
             h, x = ops.rms_norm(x, layer.input_norm, self._eps, residual)
-            qkv = self._project(layer.qkv, h, slots, groups, span)
+            qkv, lora = self._project_deferred(layer.qkv, h, slots, groups, span, fuse)
             q = ops.qk_rope_cache(
                 qkv, layer.q_norm, layer.k_norm, self._eps, cos, sin, self._k[i], self._v[i],
-                positions, self._heads, self._kv_heads,
+                positions, self._heads, self._kv_heads, lora,
             )  # fmt: skip
             o = ops.decode_attention(q, self._k[i], self._v[i], lengths, self._scale, window)
             o = self._project(layer.o, o.reshape(b, -1), slots, groups, span)
             h, x = ops.rms_norm(x, layer.post_norm, self._eps, o)
-            act = ops.silu_mul(self._project(layer.gate_up, h, slots, groups, span))
+            act = ops.silu_mul(*self._project_deferred(layer.gate_up, h, slots, groups, span, fuse))
             residual = self._project(layer.down, act, slots, groups, span)
         return self._greedy_outputs(self._unembed(x, slots, residual, groups, span))
 

@@ -117,6 +117,80 @@ def test_cuda_qk_rope_cache_matches_float64(qk_norm: bool) -> None:
     assert torch.isnan(k_cache[rows]).sum() == batch * kv * (columns - 1) * d  # nothing else written
 
 
+def _row_lora(batch: int, out: int, bounds: list[int], rank: int = 32, n_slots: int = 8) -> tuple[torch.Tensor, ops.RowLora]:
+    """A folded projection's output (batch, out + n_slots * members * rank) and its ``RowLora``:
+    rows use slots 0, 2 and 5 or none; every other slot's ``B`` and ``x A^T`` columns are NaN."""
+    members = len(bounds) - 1
+    r_total = members * rank
+    y = rnd(batch, out + n_slots * r_total)
+    b = rnd(n_slots, out, rank, scale=0.05)
+    slots = torch.tensor([0, 2, 5, -1, 0, 5, 2, 2, -1][:batch], device="cuda")
+    for s in range(n_slots):
+        if s not in set(slots.tolist()):
+            b[s] = float("nan")
+            y[:, out + s * r_total : out + (s + 1) * r_total] = float("nan")
+    return y, ops.RowLora(b, slots, out, bounds, r_total)
+
+
+def _with_term_float64(y: torch.Tensor, lora: ops.RowLora) -> torch.Tensor:
+    """The base columns plus each row's own slot's term, row by row in float64."""
+    rank = lora.b.shape[2]
+    ref = y[:, : lora.out].double().clone()
+    for i, slot in enumerate(lora.slots.tolist()):
+        if slot >= 0:
+            for j, (lo, hi) in enumerate(itertools.pairwise(lora.bounds)):
+                start = lora.out + slot * lora.r_total + j * rank
+                ref[i, lo:hi] += lora.b[slot, lo:hi].double() @ y[i, start : start + rank].double()
+    return ref
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 9])
+def test_cuda_qk_rope_cache_adding_each_rows_lora_term_matches_float64(batch: int) -> None:
+    """The q/k/v projection's LoRA term added inside the RoPE kernel (``RowLora``): q, k and v
+    against float64 with each row's own slot; NaN in every unused slot reaches no row, and rows
+    without an adapter equal the kernel run on the base columns alone, bit for bit."""
+    heads, kv, d, columns = 32, 8, 128, 64
+    out = (heads + 2 * kv) * d
+    y, lora = _row_lora(batch, out, [0, heads * d, (heads + kv) * d, out])
+    qw, kw = rnd(d), rnd(d)
+    angle = torch.rand(batch, d // 2, device="cuda") * 6.28
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(torch.bfloat16)
+    positions = torch.randint(0, columns, (batch,), device="cuda")
+    rows = torch.arange(batch, device="cuda")
+
+    def run(qkv: torch.Tensor, row_lora: ops.RowLora | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_cache = torch.zeros(batch, kv, columns, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = k_cache.clone()
+        q = ops.qk_rope_cache(qkv, qw, kw, 1e-6, cos, sin, k_cache, v_cache, positions, heads, kv, row_lora)
+        return q, k_cache[rows, :, positions], v_cache[rows, :, positions]
+
+    q, k, v = run(y, lora)
+    full = _with_term_float64(y, lora)
+    rq, rk, rv = ops.qk_heads_torch(
+        full[:, None], qw.double(), kw.double(), 1e-6, cos.double()[:, None], sin.double()[:, None], heads, kv
+    )
+    assert rel(q, rq[:, :, 0]) < BF16_BOUND and rel(k, rk[:, :, 0]) < BF16_BOUND and rel(v, rv[:, :, 0]) < BF16_BOUND
+    plain = run(y[:, :out], None)
+    none = lora.slots < 0
+    assert all(torch.equal(got[none], want[none]) for got, want in zip((q, k, v), plain, strict=True))
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 9])
+def test_cuda_silu_mul_adding_each_rows_lora_term_matches_float64(batch: int) -> None:
+    """The gate/up projection's LoRA term added inside ``silu_mul``: against float64 with each
+    row's own slot; NaN in every unused slot reaches no row; rows without an adapter equal the
+    kernel on the base columns alone, bit for bit."""
+    n = 12288
+    y, lora = _row_lora(batch, 2 * n, [0, n, 2 * n])
+    act = ops.silu_mul(y, lora)
+    assert rel(act, ops.silu_mul_torch(_with_term_float64(y, lora))) < BF16_BOUND
+    none = lora.slots < 0
+    assert torch.equal(act[none], ops.silu_mul(y[:, : 2 * n])[none])
+
+
 @cuda
 @pytest.mark.parametrize("window", [256, 1024])
 def test_cuda_decode_attention_matches_float64_and_reads_only_filled_columns(window: int) -> None:
