@@ -364,7 +364,7 @@ class TrainerEngine:
         if self.tp_size != 1 or backend not in ("varlen_flash", "sdpa_per_document"):
             return None
         recorder = CudaGraphRecorder(quiet=slot_state.PINNING) if self.device.type == "cuda" else None
-        return StepGraphs(self._unfused_logprobs, self.pool.routing, self.pool.rows.grads, recorder)
+        return StepGraphs(self._static_logprobs, self.pool.routing, self.pool.rows.grads, recorder)
 
     def _graphed(self, datums: list[DatumInput], top_k: bool) -> bool:
         """Whether this forward runs as a static step (``step_graphs``): one target per token, at
@@ -397,6 +397,21 @@ class TrainerEngine:
             input_ids, position_ids, None, labels=labels, packed_seq_params=_packed_seq_params(cu_seqlens, max_len)
         )
         return -token_loss[0].float()
+
+    def _static_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor:
+        """``_unfused_logprobs`` for a static step (TP = 1): megatron's output layer, then
+        ``vocab.target_logprobs``, which a CUDA graph can record (megatron's vocab-parallel
+        cross-entropy masks its targets by boolean indexing, a host sync, and all-reduces even
+        at one rank)."""
+        logits = self.model(input_ids, position_ids, None, packed_seq_params=_packed_seq_params(cu_seqlens, max_len))
+        return target_logprobs(logits[0], labels[0, :, None])[:, 0]  # logits [1, T, V]
 
     def _fused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The model up to the final norm (its output layer skipped), then ``fused_ce``."""

@@ -6,8 +6,9 @@ step while Python and the dispatcher launch some 50,000 kernels one by one
 or backward with one call.
 
 What is recorded, per ``StepShape``: the model from the packed tokens to every token's target
-log-probability (the unfused output layer and megatron's cross-entropy, the engine's path below
-``UNFUSED_LOGITS_BYTES``), and its backward from a gradient of those log-probabilities, which adds
+log-probability (the unfused output layer, then ``vocab.target_logprobs``: megatron's
+cross-entropy masks by boolean indexing, a host sync, and all-reduces even at one rank, which a
+graph cannot record), and its backward from a gradient of those log-probabilities, which adds
 into the slots' gradient rows. The losses stay eager: a few vector operations per datum on the
 ``[T]`` log-probabilities, whose gradient is copied into the backward graph's input.
 
@@ -31,7 +32,10 @@ same static step run eagerly bit for bit (the CUDA tests); the padded step diffe
 unpadded eager one by rounding only, GEMMs of another shape (the CPU tests). Isolation: the
 padding tokens use the last slot's own adapter, and the recording reads and adds into exactly
 the rows the tensors name, each segment from and into its own slot's. Without CUDA (the CPU
-tests), or when a recording fails (logged once per shape), the same static step runs eagerly.
+tests), the same static step runs eagerly; after a recording fails (logged), every static step
+does, since torch leaves an aborted capture's memory pool open. Recording uses the thread-local
+capture mode, as megatron's own graphs do: another thread's CUDA calls (NCCL's watchdog) do not
+invalidate it.
 """
 
 from __future__ import annotations
@@ -139,10 +143,10 @@ class CudaGraphRecorder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with self._quiet, torch.enable_grad():
-            with torch.cuda.graph(fwd, pool=self._pool):
+        with self._quiet, torch.enable_grad():  # thread_local: other threads' CUDA calls (NCCL's watchdog) are no error
+            with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
                 out = forward()
-            with torch.cuda.graph(bwd, pool=self._pool):
+            with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
                 out.backward(grad)
         return out.detach(), fwd.replay, bwd.replay
 
@@ -288,8 +292,11 @@ class StepGraphs:
         try:
             out, forward, backward = recorder.record(lambda: self._routed_forward(rec, shape, segments), rec.grad)
         except RuntimeError as exc:
+            # torch leaves an aborted capture's memory pool open (every later capture fails), so
+            # no shape is recorded again in this process; static steps go on eagerly
             self._failed.add(shape)
-            log.warning("could not record a step graph for %s; it runs eagerly: %s", shape, exc)
+            self.recorder = None
+            log.warning("could not record a step graph for %s; static steps run eagerly from now on: %s", shape, exc)
             return
         finally:
             if self._grads.is_cuda:

@@ -119,9 +119,11 @@ def test_step_shapes_round_tokens_documents_and_the_longest_document_up() -> Non
 def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches_only_its_slot(
     pair: tuple[TrainerEngine, TrainerEngine], loss_fn: str
 ) -> None:
-    """Three documents of slot 1, padded to 256 tokens and 4 documents: log-probabilities, losses,
-    slot 1's gradients and its adapter after a step equal the plain engine's within fp32 rounding
-    (GEMMs of another shape), while slot 0's pending gradients and slots 2 and 3 stay bit-identical."""
+    """Three documents of slot 1, padded to 256 tokens and 4 documents: log-probabilities, losses
+    and slot 1's gradients equal the plain engine's within fp32 rounding (GEMMs of another shape,
+    the log-softmax in another order), while slot 0's pending gradients and slots 2 and 3 stay
+    bit-identical. (The adapters after an AdamW step are not compared: a gradient entry within
+    rounding of zero moves its weight by up to the learning rate either way.)"""
     _reset(pair)
     plain, static = pair
     rng = np.random.default_rng(5)
@@ -139,17 +141,13 @@ def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches
         for slot, grads in before.items():
             after = _grads(engine, slot)
             assert all(torch.equal(after[k], v) for k, v in grads.items()), (name, slot)
-        grads = _grads(engine, 1)
-        engine.optim_step({1: HP})
-        adapter = engine.get_slot_state(1).adapter
-        engine.optim_step({0: HP})
-        results[name] = (outs, grads, adapter)
-    (p_outs, p_grads, p_adapter), (s_outs, s_grads, s_adapter) = results["plain"], results["static"]
+        results[name] = (outs, _grads(engine, 1))
+        engine.optim_step({0: HP, 1: HP})
+    (p_outs, p_grads), (s_outs, s_grads) = results["plain"], results["static"]
     for p, s in zip(p_outs, s_outs, strict=True):
         np.testing.assert_allclose(s.logprobs, p.logprobs, rtol=1e-5, atol=1e-5)
         assert s.loss == pytest.approx(p.loss, rel=1e-5, abs=1e-5)
     _assert_near(s_grads, p_grads, "gradients")
-    _assert_near(s_adapter, p_adapter, "adapter after a step")
 
 
 def test_static_steps_repeat_exactly_and_forward_only_gives_the_logprobs_of_forward_backward(
