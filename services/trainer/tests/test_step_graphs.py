@@ -267,6 +267,37 @@ def test_replays_of_a_recording_give_the_static_steps_results_bit_for_bit(qwen_d
     assert recorder.recorded == 2 and replayed.step_graphs.replays == 6
 
 
+class FailingRecorder:
+    """A recorder whose recording fails after running the warm-up's forward and backward (as an
+    aborted CUDA capture does)."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def record(
+        self, forward: Callable[[], torch.Tensor], grad: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
+        self.tries += 1
+        with torch.enable_grad():
+            forward().backward(grad)
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+
+def test_after_a_failed_recording_static_steps_run_eagerly_and_nothing_more_is_recorded(qwen_dir: Path) -> None:
+    """The first recording fails: that step and the later ones, of another shape too, give the
+    results of an engine without recordings bit for bit (the warm-up's gradients are undone), and
+    no second recording is tried."""
+    failing, eager = _engine(qwen_dir, True), _engine(qwen_dir, True)
+    assert failing.step_graphs is not None and eager.step_graphs is not None
+    recorder = FailingRecorder()
+    failing.step_graphs.recorder = recorder
+    _reset((failing, eager))
+    rng = np.random.default_rng(6)
+    _assert_steps_alike(failing, eager, [_batch(rng, (1, 30), (1, 200)), _batch(rng, (0, 150), (2, 60))])
+    assert recorder.tries == 1 and failing.step_graphs.recorder is None
+    assert failing.step_graphs.recorded == 0 and failing.step_graphs.steps == 2
+
+
 # ---------------------------------------------------------------- CUDA: recorded graphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
