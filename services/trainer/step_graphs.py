@@ -163,7 +163,6 @@ class StepGraphs:
         self._grads = grads
         self.recorder = recorder
         self._recordings: dict[StepShape, _Recording] = {}
-        self._failed: set[StepShape] = set()
         self.steps = 0  # static steps run, replayed or eager
         self.recorded = 0  # shapes recorded so far
         self.replays = 0  # steps run from recordings
@@ -194,7 +193,7 @@ class StepGraphs:
         self._fill(rec, shape, segments, lengths, tokens, targets)
         segments[-1] = Segment(segments[-1].slot, segments[-1].start, shape.tokens)  # and the padding
         total = len(tokens)
-        if self.recorder is not None and rec.forward is None and shape not in self._failed:
+        if self.recorder is not None and rec.forward is None:
             self._record_shape(self.recorder, rec, shape, segments)
         if rec.forward is not None and rec.backward is not None and rec.logprobs is not None:
             self.replays += 1
@@ -294,7 +293,6 @@ class StepGraphs:
         except RuntimeError as exc:
             # torch leaves an aborted capture's memory pool open (every later capture fails), so
             # no shape is recorded again in this process; static steps go on eagerly
-            self._failed.add(shape)
             self.recorder = None
             log.warning("could not record a step graph for %s; static steps run eagerly from now on: %s", shape, exc)
             return
