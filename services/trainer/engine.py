@@ -235,9 +235,7 @@ class TrainerEngine:
                     ):
                         lp_all = self._fused_logprobs(batch)  # [T]
                     else:
-                        lp_all = self._unfused_logprobs(
-                            batch.input_ids, batch.position_ids, batch.labels, batch.cu_seqlens, batch.max_len
-                        )  # [T]
+                        lp_all = self._unfused_logprobs(batch)  # [T]
             lps: list[torch.Tensor] = []
             losses: list[torch.Tensor] = []
             for j, index in enumerate(order):
@@ -383,18 +381,11 @@ class TrainerEngine:
             self.fused_ce, self.config.device, padded, local_vocab
         )
 
-    def _unfused_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        labels: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_len: int,
-    ) -> torch.Tensor:
+    def _unfused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Every token's target log-probability ``[T]`` by megatron's output layer and vocab-parallel
         cross-entropy (the unfused loss path; the routing is the caller's)."""
         token_loss = self.model(
-            input_ids, position_ids, None, labels=labels, packed_seq_params=_packed_seq_params(cu_seqlens, max_len)
+            batch.input_ids, batch.position_ids, None, labels=batch.labels, packed_seq_params=self._packed_params(batch)
         )
         return -token_loss[0].float()
 
@@ -406,7 +397,8 @@ class TrainerEngine:
         cu_seqlens: torch.Tensor,
         max_len: int,
     ) -> torch.Tensor:
-        """``_unfused_logprobs`` for a static step (TP = 1): megatron's output layer, then
+        """Every token's target log-probability ``[T]`` in a static step (TP = 1, the static
+        inputs of ``step_graphs``): megatron's output layer, then
         ``vocab.target_logprobs``, which a CUDA graph can record (megatron's vocab-parallel
         cross-entropy masks its targets by boolean indexing, a host sync, and all-reduces even
         at one rank)."""

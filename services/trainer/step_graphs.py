@@ -285,7 +285,7 @@ class StepGraphs:
         self, recorder: Recorder, rec: _Recording, shape: StepShape, segments: list[Segment]
     ) -> None:
         """Record ``shape`` (its slots' gradient rows restored after: the recorder's warm-up adds
-        into them); a failure is logged and leaves the shape to run eagerly."""
+        into them); a failure is logged and turns recording off: every static step runs eagerly."""
         slots = rec.routing.slots
         rows = self._grads.index_select(0, slots)
         try:
