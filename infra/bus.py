@@ -136,6 +136,20 @@ class Bus:
                 await self.nc.close()
 
 
+BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+"""The broker did not answer for a passing reason: it is restarting, the client is reconnecting,
+a stream's leader is being elected. The same request succeeds once it is back. (nats-py's
+TimeoutError is an OSError: a handler that catches OSError for a full disk must let these
+through first.)"""
+
+
 IDLE_FETCH_S = 1.0
 """How long a fetch waits for messages on an idle stream: also the longest `stop` waits for it (a
 fetch is never cancelled, which could strand a delivered message until its ack wait). Not

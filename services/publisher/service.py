@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 
 from infra import tracing
 from infra.answers import answer
-from infra.bus import Bus, ensure_durable, fetch_loop, has_message, kv_scan
+from infra.bus import BUS_UNAVAILABLE, Bus, ensure_durable, fetch_loop, has_message, kv_scan
 from infra.streams import ensure_streams, publisher_durable
 from libs.checkpoints import age, layout
 from libs.contracts import codec, ids
@@ -54,7 +54,8 @@ from services.publisher.config import PublisherConfig
 
 log = logging.getLogger("tinkerd.publisher")
 
-
+BUS_RETRY_S = 0.5
+"""How long the publisher waits before publishing again after the broker did not answer."""
 
 
 def _encrypted_dir(staging: Path) -> Path:
@@ -111,53 +112,74 @@ class PublisherService:
     async def _on_messages(self, msgs: list[Msg]) -> None:
         for msg in msgs:
             publish = codec.publish_decoder.decode(msg.data)
-            answered = await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id))
-            # an ephemeral export's files, after its handover answered the save: still to be placed
-            files_after_handover = (
-                publish.sampling_session_id is not None and publish.handover is None and publish.error is None
-            )
-            if answered and not files_after_handover:
-                # Answered already: a redelivery, or a trainer that redid the save after a crash.
-                # Redoing it could switch a name back to an older version: only ack it.
-                _remove_staged(publish)
-                await msg.ack()
-                continue
-            if publish.error is not None:  # the trainer could not write the files: nothing to publish
-                _remove_staged(publish)
-                await self._answer(publish, Failure(error=publish.error, category="server"))
-                await msg.ack()
-                continue
-            started = time.perf_counter()
-            try:
-                with tracing.span(
-                    "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
-                ):
-                    body = await self.publish(publish)
-                log.info(
-                    "published %s (%s) in %.0f ms, %.0f ms after the trainer wrote its files",
-                    publish.request_id,
-                    publish.kind,
-                    (time.perf_counter() - started) * 1e3,
-                    (now_ns() - publish.at_ns) / 1e6,
-                )
-            except OSError as exc:  # a full disk: the writer removed its temporary directory
-                log.exception("publishing %s failed", publish.request_id)
-                _remove_staged(publish)  # this publication is over
-                kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
-                body = Failure(
-                    error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
-                    f"nothing was published{kept}. Free disk space on the server, then save again",
-                    category="server",
-                )
-            except Exception as exc:
-                log.exception("publishing %s failed", publish.request_id)
-                body = Failure(
-                    error=f"publishing the checkpoint failed: {type(exc).__name__}: {exc}", category="server"
-                )
-            if not answered:
-                await self._answer(publish, body)
-            crash_point("publisher.answered")  # fault tests: result appended, publication not acked
+            while True:
+                try:
+                    await self._handle(msg, publish)
+                    break
+                except BUS_UNAVAILABLE as exc:
+                    if self.bus.nc.is_closed:
+                        raise
+                    # The broker is restarting: every step is idempotent, so this publication
+                    # starts again, in place, before the next one (a name never moves back).
+                    log.warning(
+                        "publishing %s: the broker did not answer (%s: %s); again in %.1f s",
+                        publish.request_id,
+                        type(exc).__name__,
+                        exc,
+                        BUS_RETRY_S,
+                    )
+                    await asyncio.sleep(BUS_RETRY_S)
+
+    async def _handle(self, msg: Msg, publish: PublishCommand) -> None:
+        answered = await has_message(self.bus, s.STREAM_RESULTS, s.result_subject(publish.request_id))
+        # an ephemeral export's files, after its handover answered the save: still to be placed
+        files_after_handover = (
+            publish.sampling_session_id is not None and publish.handover is None and publish.error is None
+        )
+        if answered and not files_after_handover:
+            # Answered already: a redelivery, or a trainer that redid the save after a crash.
+            # Redoing it could switch a name back to an older version: only ack it.
+            _remove_staged(publish)
             await msg.ack()
+            return
+        if publish.error is not None:  # the trainer could not write the files: nothing to publish
+            _remove_staged(publish)
+            await self._answer(publish, Failure(error=publish.error, category="server"))
+            await msg.ack()
+            return
+        started = time.perf_counter()
+        try:
+            with tracing.span(
+                "publisher.publish", publish.traceparent, request_id=publish.request_id, kind=publish.kind
+            ):
+                body = await self.publish(publish)
+            log.info(
+                "published %s (%s) in %.0f ms, %.0f ms after the trainer wrote its files",
+                publish.request_id,
+                publish.kind,
+                (time.perf_counter() - started) * 1e3,
+                (now_ns() - publish.at_ns) / 1e6,
+            )
+        except BUS_UNAVAILABLE:
+            raise  # not the disk: the caller publishes again once the broker is back
+        except OSError as exc:  # a full disk: the writer removed its temporary directory
+            log.exception("publishing %s failed", publish.request_id)
+            _remove_staged(publish)  # this publication is over
+            kept = f"; {publish.tinker_path} still holds its previous version" if publish.tinker_path else ""
+            body = Failure(
+                error=f"saving failed: the server could not write the checkpoint ({exc.strerror or exc}); "
+                f"nothing was published{kept}. Free disk space on the server, then save again",
+                category="server",
+            )
+        except Exception as exc:
+            log.exception("publishing %s failed", publish.request_id)
+            body = Failure(
+                error=f"publishing the checkpoint failed: {type(exc).__name__}: {exc}", category="server"
+            )
+        if not answered:
+            await self._answer(publish, body)
+        crash_point("publisher.answered")  # fault tests: result appended, publication not acked
+        await msg.ack()
 
     async def publish(self, p: PublishCommand) -> ResultBody:
         staging = Path(p.staging_dir)
