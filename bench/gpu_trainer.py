@@ -4,17 +4,19 @@ Everything runs in one process, in this order, each section isolated (an error i
 and recorded, the next section still runs):
 
     env        versions, GPU, measured bf16 matmul ceiling
-    attention  fused backends (varlen_flash, flex_attention) vs per-document SDPA on a
-               GQA packed stream: forward/backward error against an fp32 reference, and
-               forward+backward time of the attention op alone
+    attention  fused backends (varlen_flash, varlen_flash_cudnn, flex_attention) vs
+               per-document SDPA on a GQA packed stream (varlen_flash_cudnn also on one
+               4,096-token document, where it runs cuDNN): forward/backward error against an
+               fp32 reference, and forward+backward time of the attention op alone
     engine     TrainerEngine.forward_backward on a Qwen3-8B-shaped megatron model (random
                bf16 weights built on the GPU), LoRA rank 32 on every linear and the lm_head:
                packed batches of 1k-8k tokens; 8 tenants vs 1 tenant on the same tokens;
                the loss on the engine's default path, and every workload again through
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
-               vocab-parallel CE); other attention backends on the 4k batches; a
-               torch.profiler table
+               vocab-parallel CE); other attention backends on the 4k batches (and
+               varlen_flash_cudnn on the one-document 4k and 8k batches); a torch.profiler
+               table
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -90,6 +92,7 @@ ENGINE_WORKLOADS = [
 ]
 HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
+ONE_DOCUMENT_WORKLOADS = ["1x4096", "1x8192"]  # where varlen_flash_cudnn differs from varlen_flash
 PROFILE_WORKLOAD = "4x1024"
 CE_PATHS = ("fused-ce", "unfused-ce")  # each loss path forced, beside the default, on every workload
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
@@ -175,7 +178,7 @@ class Bench(BenchRun):
             ]
 
         backends = ["sdpa_per_document"] + (
-            ["varlen_flash", "flex_attention"] if self.cuda else ["flex_attention"]
+            ["varlen_flash", "varlen_flash_cudnn", "flex_attention"] if self.cuda else ["flex_attention"]
         )
         # Correctness: uneven documents, fresh random inputs, error vs an fp32 reference.
         # Sums to 4096 so that compiled flex_attention sees one shape in this whole run.
@@ -186,18 +189,27 @@ class Bench(BenchRun):
         ref_mod = ATTENTION_BACKENDS["sdpa_per_document"](Cfg(), 1, None, "self")
         ref_out = ref_mod(*ref_inputs, None, packed_seq_params=packed)
         ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out) if self.cuda else None
+        # one document of the same length: the stream varlen_flash_cudnn hands to cuDNN
+        one_doc = Packed([sum(lens)], self.device)
+        one_ref_out = ref_mod(*ref_inputs, None, packed_seq_params=one_doc)
+        one_ref_grads = torch.autograd.grad(one_ref_out, ref_inputs, grad_out) if self.cuda else None
         baseline = 0.0
         for name in backends:
             try:
-                mod = ATTENTION_BACKENDS[name](Cfg(), 1, None, "self")
-                inputs = [x.detach().to(self.dtype).requires_grad_(self.cuda) for x in ref_inputs]
+                check: dict[str, Any] = {}
+                cases = [("", packed, ref_out, ref_grads)]
+                if name == "varlen_flash_cudnn":
+                    cases.append(("one_document_", one_doc, one_ref_out, one_ref_grads))
                 t0 = time.perf_counter()
-                out = mod(*inputs, None, packed_seq_params=packed)
-                check: dict[str, Any] = {"out_rel_err": _rel(out, ref_out)}
-                if self.cuda:
-                    grads = torch.autograd.grad(out, inputs, grad_out.to(self.dtype))
-                    for label, g, r in zip("qkv", grads, ref_grads or [], strict=True):
-                        check[f"d{label}_rel_err"] = _rel(g, r)
+                for prefix, stream, want, want_grads in cases:
+                    mod = ATTENTION_BACKENDS[name](Cfg(), 1, None, "self")
+                    inputs = [x.detach().to(self.dtype).requires_grad_(self.cuda) for x in ref_inputs]
+                    out = mod(*inputs, None, packed_seq_params=stream)
+                    check[f"{prefix}out_rel_err"] = _rel(out, want)
+                    if self.cuda:
+                        grads = torch.autograd.grad(out, inputs, grad_out.to(self.dtype))
+                        for label, g, r in zip("qkv", grads, want_grads or [], strict=True):
+                            check[f"{prefix}d{label}_rel_err"] = _rel(g, r)
                 self.sync()
                 check["first_call_s"] = time.perf_counter() - t0
             except Exception:
@@ -226,6 +238,8 @@ class Bench(BenchRun):
                     continue
                 if name == "flex_attention" and total != 4096:
                     continue  # one compiled shape is enough; keeps compile time out of the budget
+                if name == "varlen_flash_cudnn" and len(layout) > 1:
+                    continue  # several documents: varlen_flash itself
                 mod = ATTENTION_BACKENDS[name](Cfg(), 1, None, "self")
                 inputs = qkv(total, self.dtype, grad=True)
                 g = torch.randn(total, s.heads * s.head_dim, device=self.device, dtype=self.dtype)
@@ -422,10 +436,16 @@ class Bench(BenchRun):
                 attn = layer.self_attention
                 attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
 
-        others = [b for b in ("sdpa_per_document", "flex_attention") if b != backend] if self.cuda else []
+        others = (
+            [b for b in ("sdpa_per_document", "flex_attention", "varlen_flash_cudnn") if b != backend]
+            if self.cuda
+            else []
+        )
         for other in others:
+            if other not in self.usable_backends:
+                continue
             swap(other)
-            for name in BACKEND_WORKLOADS:
+            for name in ONE_DOCUMENT_WORKLOADS if other == "varlen_flash_cudnn" else BACKEND_WORKLOADS:
                 if not self.fits(name) or self.time_left() < 200:
                     continue
                 try:

@@ -16,6 +16,9 @@ Backends (``EngineConfig.attention_backend`` picks one by its key in ``ATTENTION
                          backward for it), so there it serves tests and ``logits`` alone
     varlen_flash         ``torch.nn.attention.varlen.varlen_attn``: FlashAttention-2 over the
                          packed stream with ``cu_seqlens``; CUDA only (the GPU choice)
+    varlen_flash_cudnn   ``varlen_flash``, except that a stream which is one document of at
+                         least ``CUDNN_MIN_TOKENS`` goes through cuDNN's fused attention (SDPA's
+                         cuDNN backend, dense causal); CUDA only
 
 Invariant: a token attends to itself and the earlier tokens of its own document only, never
 across a document boundary; query heads map to key/value groups as megatron and Hugging Face
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def _split_heads(config: Any, tp_world: int) -> tuple[int, int, int]:
@@ -315,9 +321,93 @@ class VarlenFlashAttention(_FusedPackedAttention):
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=self.scale, **causal, **extra)
 
 
+CUDNN_MIN_TOKENS = 2048
+"""The shortest one-document stream ``varlen_flash_cudnn`` hands to cuDNN: below it a step is
+bound by the host, where cuDNN's call costs more than FlashAttention's."""
+
+_CUDNN_OK: dict[tuple[torch.device, torch.dtype, int], bool] = {}
+
+
+def cudnn_attention_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether SDPA's cuDNN backend runs a causal GQA attention here, forward and backward, within
+    bf16 error of the fp32 math (tried once per device, dtype and head size, on a small input)."""
+    key = (device, dtype, head_dim)
+    if key not in _CUDNN_OK:
+        _CUDNN_OK[key] = _probe_cudnn(device, dtype, head_dim)
+    return _CUDNN_OK[key]
+
+
+def _probe_cudnn(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(256, h, head_dim, generator=gen, device=device) for h in (4, 2, 2))
+            g = torch.randn(256, 4, head_dim, generator=gen, device=device)
+            scale = 1.0 / math.sqrt(head_dim)
+            want = [x.requires_grad_() for x in (q, k, v)]
+            ref = _causal_sdpa(want[0], want[1], want[2], scale, cudnn=False)
+            ref_grads = torch.autograd.grad(ref, want, g)
+            got_in = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+            got = _causal_sdpa(got_in[0], got_in[1], got_in[2], scale, cudnn=True)
+            got_grads = torch.autograd.grad(got, got_in, g.to(dtype))
+        for a, b in zip([got, *got_grads], [ref, *ref_grads], strict=True):
+            rel = torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double())
+            if not bool(rel < 2e-2):  # NaN fails too
+                log.warning("cuDNN attention disagrees with fp32 (relative error %.3g): not used", float(rel))
+                return False
+    except RuntimeError as exc:  # no cuDNN kernel for this device, dtype or head size
+        log.warning("cuDNN attention not usable here (%s): FlashAttention serves", exc)
+        return False
+    return True
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
+    """Causal attention of one document, ``q [T, heads, d]``, ``k``/``v [T, groups, d]`` to
+    ``[T, heads, d]``; with ``cudnn``, by SDPA's cuDNN backend only (it raises where that cannot
+    run). Key/value heads are repeated to the query heads (the cuDNN backend takes no GQA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, d]: the [T, heads, d] layout, as strides
+    kt, vt = (x.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0) for x in (k, v))
+    backends = [SDPBackend.CUDNN_ATTENTION] if cudnn else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)  # [1, heads, T, d]
+    return out[0].transpose(0, 1)  # [T, heads, d]
+
+
+class VarlenFlashCudnnAttention(VarlenFlashAttention):
+    """``VarlenFlashAttention``, but a stream that is one document of at least ``CUDNN_MIN_TOKENS``
+    (an ``Nx1`` step of one long sequence) runs cuDNN's fused attention instead: Hopper's cuDNN
+    kernels outrun FlashAttention-2 on long causal documents. Whether the stream is one document
+    is known on the host (``max_len`` equals the stream's length), so the choice costs no sync;
+    cuDNN is used only where ``cudnn_attention_usable`` found it working at first use."""
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        cache_key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        total = q.shape[0]
+        if (
+            q.is_cuda
+            and max_len == total >= CUDNN_MIN_TOKENS
+            and cudnn_attention_usable(q.device, q.dtype, q.shape[-1])
+        ):
+            return _causal_sdpa(q, k, v, self.scale, cudnn=True)
+        return super()._attend_packed(q, k, v, cu_seqlens, max_len, cache_key)
+
+
 ATTENTION_BACKENDS: dict[str, type[nn.Module]] = {
     "sdpa_per_document": PerDocumentSdpa,
     "sdpa_block_diagonal": BlockDiagonalSdpa,
     "flex_attention": FlexDocumentAttention,
     "varlen_flash": VarlenFlashAttention,
+    "varlen_flash_cudnn": VarlenFlashCudnnAttention,
 }

@@ -20,6 +20,9 @@ from services.trainer.attention import (
     FlexDocumentAttention,
     PerDocumentSdpa,
     VarlenFlashAttention,
+    VarlenFlashCudnnAttention,
+    _causal_sdpa,
+    cudnn_attention_usable,
     document_ids,
 )
 from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine
@@ -54,6 +57,19 @@ def _qkv(
 def test_fused_backends_are_registered() -> None:
     assert ATTENTION_BACKENDS["flex_attention"] is FlexDocumentAttention
     assert ATTENTION_BACKENDS["varlen_flash"] is VarlenFlashAttention
+    assert ATTENTION_BACKENDS["varlen_flash_cudnn"] is VarlenFlashCudnnAttention
+
+
+def test_one_document_sdpa_layout_equals_per_document_sdpa() -> None:
+    """The one-document path's layout (``[T, heads, d]`` as ``[1, heads, T, d]`` strides, key/value
+    heads repeated to the query heads) computes what the per-document backend does: run here with
+    SDPA's math kernel (cuDNN itself needs CUDA), float64, equal within rounding."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _qkv(gen, 23, 6, 2, 16, torch.float64)
+    want = PerDocumentSdpa(_cfg(6, 2, 16), 1, None, "self")(q, k, v, None, packed_seq_params=_Packed([23]))
+    got = _causal_sdpa(q, k, v, 1.0 / 4.0, cudnn=False)
+    assert got.shape == (23, 6, 16)
+    torch.testing.assert_close(got.reshape(23, -1), want, rtol=1e-12, atol=1e-12)
 
 
 def test_document_ids() -> None:
@@ -163,7 +179,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("backend", ["varlen_flash", "flex_attention"])
+@pytest.mark.parametrize("backend", ["varlen_flash", "varlen_flash_cudnn", "flex_attention"])
 def test_fused_backend_forward_backward_on_cuda(backend: str) -> None:
     """bf16 output and q/k/v gradients within bf16 error of the fp32 per-document reference."""
     gen = torch.Generator().manual_seed(6)
@@ -176,6 +192,30 @@ def test_fused_backend_forward_backward_on_cuda(backend: str) -> None:
     want_grads = torch.autograd.grad(want, ref_in, grad_out)
     inputs = [x.detach().bfloat16().requires_grad_() for x in ref_in]
     got = ATTENTION_BACKENDS[backend](cfg, 1, None, "self")(*inputs, None, packed_seq_params=packed)
+    grads = torch.autograd.grad(got, inputs, grad_out.bfloat16())
+    for g, w in zip([got, *grads], [want, *want_grads], strict=True):
+        rel = float(torch.linalg.vector_norm(g.double() - w.double()) / torch.linalg.vector_norm(w.double()))
+        assert rel < 2e-2, rel
+
+
+@needs_cuda
+def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error() -> None:
+    """``varlen_flash_cudnn`` on a stream that is one document of ``CUDNN_MIN_TOKENS`` tokens (32
+    query heads of 128, 8 key/value groups, as Qwen3-8B): cuDNN is usable on this GPU, so the
+    stream goes through it, and its bf16 output and q/k/v gradients are within bf16 error of the
+    fp32 reference."""
+    from services.trainer.attention import CUDNN_MIN_TOKENS
+
+    assert cudnn_attention_usable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 128)
+    gen = torch.Generator().manual_seed(9)
+    cfg = _cfg(32, 8, 128)
+    packed = _Packed([CUDNN_MIN_TOKENS], "cuda")
+    ref_in = [x.requires_grad_() for x in _qkv(gen, CUDNN_MIN_TOKENS, 32, 8, 128, torch.float32, "cuda")]
+    grad_out = torch.randn(CUDNN_MIN_TOKENS, 32 * 128, generator=gen).cuda()
+    want = PerDocumentSdpa(cfg, 1, None, "self")(*ref_in, None, packed_seq_params=packed)
+    want_grads = torch.autograd.grad(want, ref_in, grad_out)
+    inputs = [x.detach().bfloat16().requires_grad_() for x in ref_in]
+    got = VarlenFlashCudnnAttention(cfg, 1, None, "self")(*inputs, None, packed_seq_params=packed)
     grads = torch.autograd.grad(got, inputs, grad_out.bfloat16())
     for g, w in zip([got, *grads], [want, *want_grads], strict=True):
         rel = float(torch.linalg.vector_norm(g.double() - w.double()) / torch.linalg.vector_norm(w.double()))
