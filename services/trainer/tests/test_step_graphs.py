@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from libs.contracts.common import LoraConfig
+from services.trainer.attention import _FusedPackedAttention, document_ids
 from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
 from services.trainer.step_graphs import StepShape
 from services.trainer.tests.helpers import ce_datum, randomize_slot
@@ -296,6 +301,132 @@ def test_after_a_failed_recording_static_steps_run_eagerly_and_nothing_more_is_r
     _assert_steps_alike(failing, eager, [_batch(rng, (1, 30), (1, 200)), _batch(rng, (0, 150), (2, 60))])
     assert recorder.tries == 1 and failing.step_graphs.recorder is None
     assert failing.step_graphs.recorded == 0 and failing.step_graphs.steps == 2
+
+
+class HostSyncAudit(TorchDispatchMode):
+    """Every op dispatched while active that a CUDA graph cannot record: one that makes the host
+    wait for the device (a scalar read back, ``nonzero``, indexing by a boolean mask, a
+    ``repeat_interleave`` without its output size, ``unique``) or a collective (none is needed at
+    one rank). Seen on the CPU, where the same ops run: a capture on the GPU fails on any of them."""
+
+    SYNCING = frozenset(
+        {
+            torch.ops.aten._local_scalar_dense,
+            torch.ops.aten.nonzero,
+            torch.ops.aten.masked_select,
+            torch.ops.aten._unique2,
+            torch.ops.aten.unique_consecutive,
+            torch.ops.aten.unique_dim,
+            torch.ops.aten.equal,
+        }
+    )
+    INDEXING = frozenset(
+        {torch.ops.aten.index, torch.ops.aten.index_put_, torch.ops.aten.index_put, torch.ops.aten._index_put_impl_}
+    )
+
+    READS = ("tolist", "cpu", "numpy")
+    """Reads of a tensor into host memory that dispatch no op on a CPU tensor (on CUDA, each is a
+    copy to the host and a wait): watched by wrapping the methods while the audit runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.found: list[str] = []
+        self._methods: dict[str, Any] = {}
+
+    def __enter__(self) -> HostSyncAudit:
+        for name in self.READS:
+            method = self._methods[name] = getattr(torch.Tensor, name)
+
+            def watched(tensor: torch.Tensor, *args: Any, _name: str = name, _method: Any = method, **kw: Any) -> Any:
+                self.found.append(f"Tensor.{_name}")
+                return _method(tensor, *args, **kw)
+
+            setattr(torch.Tensor, name, watched)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        packet = func.overloadpacket
+        if packet in self.SYNCING:
+            self.found.append(str(func))
+        elif packet in self.INDEXING and any(
+            i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
+            self.found.append(f"{func} with a boolean mask")
+        elif packet is torch.ops.aten.repeat_interleave and kwargs.get("output_size") is None:
+            self.found.append(f"{func} without output_size")
+        elif func.namespace in ("c10d", "_c10d_functional"):
+            self.found.append(f"{func} (a collective)")
+        return func(*args, **kwargs)
+
+
+class DeviceMaskAttention(_FusedPackedAttention):
+    """Per-document causal attention from the device's boundaries alone (no host read, as
+    ``varlen_flash`` on CUDA): the CPU stand-in for the kernel a step graph records."""
+
+    def _attend_packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_len: int,
+        cache_key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        total, rep = q.shape[0], self.heads // self.groups
+        doc = document_ids(cu_seqlens, total)
+        pos = torch.arange(total)
+        allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+        kt, vt = (x.transpose(0, 1).repeat_interleave(rep, dim=0, output_size=self.heads) for x in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), kt, vt, attn_mask=allowed, scale=self.scale)
+        return out.transpose(0, 1)
+
+
+class AuditingRecorder(EagerRecorder):
+    """``EagerRecorder``, whose recording first runs the step's forward and backward (what a CUDA
+    capture records) under ``HostSyncAudit``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.audits: list[HostSyncAudit] = []
+
+    def record(
+        self, forward: Callable[[], torch.Tensor], grad: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
+        with HostSyncAudit() as audit, torch.enable_grad():
+            forward().backward(grad)
+        self.audits.append(audit)
+        return super().record(forward, grad)
+
+
+def test_what_a_step_graph_records_waits_for_nothing_on_the_host(qwen_dir: Path) -> None:
+    """The forward and backward a recording captures, of one slot (the one-slot LoRA path) and of
+    two (the grouped matmuls), dispatch no op that would make a CUDA capture fail: no host sync,
+    no boolean-mask indexing, no collective. The attention kernel is the device-only stand-in
+    (``varlen_flash`` has no CPU build); the rest is the engine's own code."""
+    engine = _engine(qwen_dir, True)
+    assert engine.step_graphs is not None
+    for layer in engine.model.decoder.layers:
+        attn = layer.self_attention
+        attn.core_attention = DeviceMaskAttention(attn.config, attn.layer_number, AttnMaskType.causal, "self")
+    recorder = AuditingRecorder()
+    engine.step_graphs.recorder = recorder
+    for slot in range(4):
+        randomize_slot(engine, slot, X, seed=30 + slot)
+    rng = np.random.default_rng(8)
+    engine.forward_backward(_batch(rng, (1, 30), (1, 200)), "cross_entropy")
+    engine.forward_backward(_batch(rng, (0, 50), (2, 90)), "cross_entropy")
+    assert recorder.recorded == 2 and engine.step_graphs.recorded == 2
+    for audit in recorder.audits:
+        assert audit.ops > 1000  # the whole model ran under the audit, forward and backward
+        assert audit.found == [], audit.found
 
 
 # ---------------------------------------------------------------- CUDA: recorded graphs
