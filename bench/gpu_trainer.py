@@ -15,8 +15,8 @@ and recorded, the next section still runs):
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
                vocab-parallel CE); other attention backends on the 4k batches (and
-               varlen_flash_cudnn on the one-document 4k and 8k batches); a torch.profiler
-               table
+               varlen_flash_cudnn on the one-document 4k and 8k batches); torch.profiler
+               tables of 4x1024, and of 16x256 for one tenant and for eight
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -94,6 +94,7 @@ HF_WORKLOADS = ["1x1024", "4x1024", "1x4096", "8x1024", "1x8192", "16x256"]
 BACKEND_WORKLOADS = ["4x1024", "1x4096", "16x256"]
 ONE_DOCUMENT_WORKLOADS = ["1x4096", "1x8192"]  # where varlen_flash_cudnn differs from varlen_flash
 PROFILE_WORKLOAD = "4x1024"
+TENANT_PROFILE_WORKLOADS = ["16x256", "16x256 8 tenants"]  # one tenant and eight, the same tokens
 CE_PATHS = ("fused-ce", "unfused-ce")  # each loss path forced, beside the default, on every workload
 TINY_LEN = {1024: 16, 4096: 64, 8192: 128, 256: 4}
 
@@ -473,6 +474,23 @@ class Bench(BenchRun):
 
         # Profile of one step (after the warm runs above).
         self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine")
+        # ... and of the same tokens for one tenant and for eight: where the 8-tenant step's extra
+        # time goes (profile_engine_16x256.txt beside profile_engine_16x256_8_tenants.txt)
+        for name in TENANT_PROFILE_WORKLOADS:
+            if not self.fits(name) or self.time_left() < 150:
+                continue
+            _, doc_len, docs, tenants = by_name[name]
+            batch = self.datums(self.doc_len(doc_len), docs, tenants)
+            label = "engine_" + name.replace(" ", "_")
+
+            def one_step(b: list[Any] = batch) -> Any:
+                return engine.forward_backward(b, "cross_entropy")
+
+            try:
+                self.profile(one_step, label)
+            except Exception:
+                self.results.error(f"profile/{label}", traceback.format_exc())
+                self.log("!! profile", label, traceback.format_exc().splitlines()[-1])
 
         # Optimizer on the engine's own 8-slot pool (grads exist from the steps above).
         hp = AdamParams(learning_rate=1e-5)
