@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from infra.answers import answer
-from infra.bus import fetch_failed
+from infra.bus import BUS_UNAVAILABLE, fetch_failed
 from infra.streams import sample_runner_durable
 from libs.contracts import codec, ids
 from libs.contracts import subjects as s
@@ -50,7 +50,9 @@ from services.gateway.sampling.engines import Adapter
 log = logging.getLogger("tinkerd.gateway.samples")
 ACK_WAIT_S = 15.0
 PROGRESS_EVERY_S = 5.0
-
+BUS_RETRY_S = 1.0
+"""How long a job whose run the broker interrupted waits before it is delivered again."""
+TRANSIENT: tuple[type[Exception], ...] = (httpx.TransportError, *BUS_UNAVAILABLE)
 
 
 class SampleRunner:
@@ -128,6 +130,11 @@ class SampleRunner:
             except _Cancelled:
                 await msg.ack()  # its result (cancelled) is on the results stream already
                 log.info("sample %s cancelled by its client; generation stopped", job.request_id)
+                return
+            except BUS_UNAVAILABLE as exc:  # the broker is restarting: the job runs again once it is back
+                log.warning("sample %s: the broker did not answer (%s); running it again", job.request_id, exc)
+                with contextlib.suppress(nats.errors.Error):  # unacked, it comes back after its ack wait anyway
+                    await msg.nak(delay=BUS_RETRY_S)
                 return
             except httpx.TransportError as exc:  # the engine is down or restarting (killed mid-sample)
                 waited = (now_ns() - job.at_ns) / 1e9
@@ -231,8 +238,8 @@ class SampleRunner:
         except sglang.EngineError as exc:
             category = "user" if exc.status == 400 else "server"
             return Failure(error=f"sampling engine refused the request: {exc}", category=category)
-        except httpx.TransportError:
-            raise  # transient: the job is delivered again (see _handle)
+        except TRANSIENT:
+            raise  # the engine or the broker is away for a moment: the job is delivered again (see _handle)
         except Exception as exc:
             log.exception("sample %s failed", job.request_id)
             return Failure(error=f"sampling failed: {type(exc).__name__}: {exc}", category="server")
