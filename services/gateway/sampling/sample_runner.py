@@ -119,6 +119,7 @@ class SampleRunner:
 
     async def _handle(self, msg: Msg) -> None:
         progress = asyncio.create_task(_report_progress(msg))
+        job: SampleJob | None = None
         try:
             job = codec.sample_job_decoder.decode(msg.data)
             if await self.gateway.board.lookup(job.request_id) is not None:
@@ -130,11 +131,6 @@ class SampleRunner:
             except _Cancelled:
                 await msg.ack()  # its result (cancelled) is on the results stream already
                 log.info("sample %s cancelled by its client; generation stopped", job.request_id)
-                return
-            except BUS_UNAVAILABLE as exc:  # the broker is restarting: the job runs again once it is back
-                log.warning("sample %s: the broker did not answer (%s); running it again", job.request_id, exc)
-                with contextlib.suppress(nats.errors.Error):  # unacked, it comes back after its ack wait anyway
-                    await msg.nak(delay=BUS_RETRY_S)
                 return
             except httpx.TransportError as exc:  # the engine is down or restarting (killed mid-sample)
                 waited = (now_ns() - job.at_ns) / 1e9
@@ -163,6 +159,14 @@ class SampleRunner:
             await msg.ack()
             if msg.metadata.num_delivered > 1:  # a replica that died waiting may have left a record
                 await self._resumed(job)
+        except BUS_UNAVAILABLE as exc:
+            # The broker is restarting (reading the sampler's adapter, recording the sequences,
+            # appending the result): the job runs again once it is back. A result that did land
+            # is found by the lookup above, and `answer` appends one result per request at most.
+            what = job.request_id if job is not None else msg.subject
+            log.warning("sample %s: the broker did not answer (%s); running it again", what, exc)
+            with contextlib.suppress(nats.errors.Error):  # unacked, it comes back after its ack wait anyway
+                await msg.nak(delay=BUS_RETRY_S)
         finally:
             progress.cancel()
             self.slots.release()
