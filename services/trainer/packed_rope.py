@@ -231,10 +231,11 @@ if triton is not None:
     @triton.jit
     def _nearest_bf16(x):
         """The bf16 value nearest fp32 ``x`` (ties to even), as fp32: done on the bits, so no
-        compiler's choice of conversion or contraction can change it (finite ``x``; inf stays)."""
+        compiler's choice of conversion or contraction can change it. Infinities stay; a NaN is
+        kept as it is (the carry would turn the GPU's NaN, all mantissa bits set, into -0)."""
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
 
     @triton.jit
     def _rounded(x, kind: tl.constexpr, BF16: tl.constexpr):

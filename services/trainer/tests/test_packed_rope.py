@@ -109,3 +109,20 @@ def test_the_kernel_probe_accepts_inside_a_forward_only_call(monkeypatch: pytest
         with context():
             t = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
             assert packed_rope.fused_rope_supported(t, freqs, False, False)
+
+
+@cuda
+def test_cuda_fused_rope_keeps_nan_and_inf_where_megatron_does() -> None:
+    """Non-finite inputs (a tenant whose activations overflowed) stay non-finite through the
+    kernel, as through megatron's function: the same values are NaN and the same are infinite,
+    forward and backward."""
+    cu, t, grad, freqs = _documents("cuda")
+    t = t.clone()
+    t[3, 1, 5], t[4, 2, 70], t[300, 0, 0] = float("nan"), float("inf"), -float("inf")
+    grad = grad.clone()
+    grad[10, 3, 7] = float("nan")
+    assert packed_rope.fused_rope_supported(t, freqs, False, False)
+    got, ref, got_grad, ref_grad = _both(t, cu, freqs, grad)
+    for a, b in ((got, ref), (got_grad, ref_grad)):
+        assert torch.equal(a.isnan(), b.isnan()) and bool(a.isnan().any())
+        assert torch.equal(a.isinf(), b.isinf())
