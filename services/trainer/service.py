@@ -334,6 +334,7 @@ def build_engine(config: TrainerConfig, device: str) -> tuple[TrainerEngine, str
             num_slots=config.num_slots,
             max_lora_rank=config.max_lora_rank,
             device=device,
+            attention_backend=config.attention_backend,
             fused_cross_entropy=config.fused_cross_entropy,
             step_graphs=config.step_graphs,
             step_graph_max_tokens=config.step_graph_max_tokens,
