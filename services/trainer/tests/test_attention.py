@@ -17,6 +17,7 @@ import torch
 
 from services.trainer.attention import (
     ATTENTION_BACKENDS,
+    BlockDiagonalSdpa,
     FlexDocumentAttention,
     PerDocumentSdpa,
     VarlenFlashAttention,
@@ -220,3 +221,21 @@ def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error() 
     for g, w in zip([got, *grads], [want, *want_grads], strict=True):
         rel = float(torch.linalg.vector_norm(g.double() - w.double()) / torch.linalg.vector_norm(w.double()))
         assert rel < 2e-2, rel
+
+
+def test_the_trainers_attention_setting_picks_its_engines_backend_and_an_unknown_one_fails_its_start(
+    qwen_dir: Path, tmp_path: Path
+) -> None:
+    """``TINKERD_TRAINER_ATTENTION_BACKEND`` reaches the engine the trainer builds (every layer's
+    core attention is that backend); an unknown name fails the build with an error naming it and
+    the known ones."""
+    from services.trainer.config import load_config
+    from services.trainer.service import build_engine
+
+    env = {"TINKERD_BASE_MODEL": str(qwen_dir), "TINKERD_DATA_DIR": str(tmp_path)}
+    config = load_config({**env, "TINKERD_TRAINER_ATTENTION_BACKEND": "sdpa_block_diagonal"})
+    engine, _ = build_engine(config, "cpu")
+    kinds = {type(layer.self_attention.core_attention) for layer in engine.model.decoder.layers}
+    assert kinds == {BlockDiagonalSdpa}
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; known: .*varlen_flash_cudnn"):
+        build_engine(load_config({**env, "TINKERD_TRAINER_ATTENTION_BACKEND": "nope"}), "cpu")
