@@ -16,9 +16,9 @@ It follows megatron's arithmetic: the cos and sin tables are megatron's own
 (``(cos(freqs) * mscale).to(dtype)``, built once per forward), every product is rounded to the
 tensor's dtype before the sum, and the sum once more. In bf16 each rounding is done on the bits
 (to nearest, ties to even), so no choice of the compiler's (a conversion's rounding mode, a fused
-multiply-add) can change a result: a kernel that left bf16 conversions to Triton differed from
-megatron's in one value of seven on the H200, and the same kernel run by Triton's interpreter on
-the CPU now equals megatron's bit for bit, forward and backward, in bf16 and fp16. The kernel is
+multiply-add) can change a result. With Triton's own conversions instead, the kernel differed from
+megatron's in one value of seven on an H200; with these, Triton's interpreter on the CPU gives
+megatron's values bit for bit, forward and backward, in bf16 and fp16. The kernel is
 used only on a device where a probe at first use found it, forward and backward and value by
 value, at least as close to the exact rotation of the same inputs and tables (float64) as
 megatron's own function (``services/trainer/tests/test_packed_rope.py`` checks both directions
