@@ -91,6 +91,16 @@ class RowLora:
         return lora_expand_torch(y[:, None, :], self.out, self.b, self.slots, self.bounds, self.r_total)[:, 0, :]
 
 
+def _row_lora_args(
+    lora: RowLora | None, placeholder: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """A kernel's LoRA arguments: ``B``, each row's slot, the base columns, the columns per slot
+    and the rank; without ``lora``, ``placeholder`` for the pointers (``HAS_LORA`` off: never read)."""
+    if lora is None:
+        return placeholder, placeholder, 0, 0, 1
+    return lora.b, lora.slots, lora.out, lora.r_total, lora.b.shape[2]
+
+
 def fuses_expand(x: torch.Tensor) -> bool:
     """Whether a step of rows ``x`` adds its q/k/v and gate/up LoRA terms in the next kernels."""
     return use_triton(x) and x.shape[0] <= FUSED_EXPAND_ROWS
@@ -504,9 +514,9 @@ def qk_rope_cache(
     ``lora``: ``qkv`` is the whole folded output, whose LoRA term is added here."""
     b = qkv.shape[0]
     d = cos.shape[-1]
-    if lora is not None and not use_triton(qkv):
-        qkv = lora.apply_torch(qkv)
     if not use_triton(qkv):
+        if lora is not None:
+            qkv = lora.apply_torch(qkv)
         q, k, v = qk_heads_torch(
             qkv[:, None], q_norm, k_norm, eps, cos[:, None], sin[:, None], heads, kv_heads
         )
@@ -515,15 +525,14 @@ def qk_rope_cache(
         v_cache[rows, :, positions] = v[:, :, 0, :]
         return q[:, :, 0, :]
     q_out = torch.empty(b, heads, d, device=qkv.device, dtype=qkv.dtype)
+    lora_b, row_slots, n_out, r_total, rank = _row_lora_args(lora, cos)
     kernel: Any = _qk_rope_cache_kernel
     kernel[(b, heads + 2 * kv_heads)](
         qkv, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos,
-        cos, sin, q_out, k_cache, v_cache, positions,
-        lora.b if lora is not None else cos, lora.slots if lora is not None else positions,
-        lora.out if lora is not None else 0, lora.r_total if lora is not None else 0,
+        cos, sin, q_out, k_cache, v_cache, positions, lora_b, row_slots, n_out, r_total,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         HEADS=heads, KV=kv_heads, D=d, HALF_P2=triton.next_power_of_2(d // 2), HAS_NORM=q_norm is not None,
-        RANK=lora.b.shape[2] if lora is not None else 1, HAS_LORA=lora is not None, num_warps=1,
+        RANK=rank, HAS_LORA=lora is not None, num_warps=1,
     )  # fmt: skip
     return q_out
 
@@ -570,10 +579,10 @@ def silu_mul(gu: torch.Tensor, lora: RowLora | None = None) -> torch.Tensor:
     n = (lora.out if lora is not None else gu.shape[1]) // 2
     out = torch.empty(b, n, device=gu.device, dtype=gu.dtype)
     block = 256 if lora is not None else 1024  # a (block, rank) tile of B per program
+    lora_b, row_slots, _, r_total, rank = _row_lora_args(lora, gu)
     kernel: Any = _silu_mul_kernel
     kernel[(b, triton.cdiv(n, block))](
-        gu, out, n, gu.stride(0), lora.b if lora is not None else gu, lora.slots if lora is not None else gu,
-        lora.r_total if lora is not None else 0, BLOCK=block, RANK=lora.b.shape[2] if lora is not None else 1,
-        HAS_LORA=lora is not None, num_warps=4,
+        gu, out, n, gu.stride(0), lora_b, row_slots, r_total,
+        BLOCK=block, RANK=rank, HAS_LORA=lora is not None, num_warps=4,
     )  # fmt: skip
     return out
