@@ -25,11 +25,11 @@ from libs.contracts.results import SaveWeightsResponse
 from libs.faults import fired, hits, release
 from services.publisher.config import PublisherConfig
 from services.publisher.service import PublisherService
+from tests.faults.holds import WAIT_S, wait_for
 
 POINT = "publisher.checkpoint_write"  # the test names its process the publisher (TINKERD_SERVICE)
 MODEL = "sess-1:train:0"
 PATH = ids.tinker_path("run-1", "training", "first")
-WAIT_S = 60.0
 
 
 class Retried(logging.Handler):
@@ -42,16 +42,6 @@ class Retried(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "the broker did not answer" in record.getMessage():
             self.seen.set()
-
-
-def wait_until(condition: threading.Event | None, spec: str = "", faults: Path | None = None) -> bool:
-    """Wait (at most WAIT_S, checking every 10 ms) for `condition`, or for fault `spec` to fire."""
-    tick = threading.Event()
-    for _ in range(int(WAIT_S / 0.01)):
-        if (condition is not None and condition.is_set()) or (faults is not None and fired(spec, faults)):
-            return True
-        tick.wait(0.01)
-    return False
 
 
 def test_a_save_whose_publication_the_broker_interrupted_is_published_once_it_is_back(
@@ -94,10 +84,10 @@ def test_a_save_whose_publication_the_broker_interrupted_is_published_once_it_is
             running = asyncio.create_task(publisher.run(stop))
             await bus.publish(s.publish_subject(MODEL), codec.pack(command), msg_id=command.request_id)
             # the publisher is linking the staged files: the broker goes away, then the disk step ends
-            assert await asyncio.to_thread(wait_until, None, hold, faults), "the publication was never held"
+            await asyncio.to_thread(wait_for, lambda: fired(hold, faults), "the hold of the publication")
             server.kill()
             release(hold, faults)
-            assert await asyncio.to_thread(wait_until, retried.seen), "the publisher never retried"
+            await asyncio.to_thread(wait_for, retried.seen.is_set, "the publisher's retry")
             server = start_nats(tmp_path / "nats", port=port)  # same port and store: clients reconnect
             result = None
             for _ in range(int(WAIT_S / 0.05)):
