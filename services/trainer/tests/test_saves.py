@@ -5,8 +5,6 @@ and one model's saves are handed over in the order they were submitted."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from services.trainer.handover import Handover, Shelf
 from services.trainer.saves import BackgroundSaves
 from services.trainer.state import checkpoints
 from services.trainer.state.checkpoints import PendingSave
+from tests.faults.holds import wait_for
 
 POINT = "trainer.checkpoint_write"  # the test names its process the trainer (TINKERD_SERVICE)
 
@@ -44,17 +43,9 @@ def pending(data_dir: Path, model_id: str, unit_id: str) -> PendingSave:
     return PendingSave({"adapter.safetensors": b"x" * 64, "state.json": b"{}"}, staging, command, 0.0)
 
 
-def wait_fired(spec: str, directory: Path, timeout_s: float) -> bool:
-    """Whether fault spec `spec` fired within `timeout_s` (its marker file appears when it does)."""
-    deadline = time.monotonic() + timeout_s
-    while not fired(spec, directory):
-        if time.monotonic() > deadline:
-            return False
-        threading.Event().wait(0.01)
-    return True
-
-
-def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_held_write_delays_only_later_saves_of_its_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Model m's first save is held mid-file: n's save, submitted after it, is handed over while
     m's is still unwritten, m's second save only after m's first, and each only with its files."""
     faults = tmp_path / "faults"
@@ -77,7 +68,7 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
         await saves.submit(pending(tmp_path, "m", "u1"))  # held half-way through its first file
         # n's write must not take the held hit: submit it only once m's write is the one held
         # (the fault point's own marker file says so; a bounded wait on it, as `hold` itself waits)
-        assert await asyncio.to_thread(wait_fired, hold, faults, 30.0), "m's first write was never held"
+        await asyncio.to_thread(wait_for, lambda: fired(hold, faults), "m's first write held")
         await saves.submit(pending(tmp_path, "m", "u2"))
         await saves.submit(pending(tmp_path, "n", "u3"))
         assert await asyncio.wait_for(arrived.get(), 30) == "n:u3"
@@ -89,13 +80,17 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(tmp_path: Path, m
     try:
         asyncio.run(main())
     finally:
-        release(hold, faults)  # a failed assertion must not leave a writer thread held (the process could not exit)
+        release(
+            hold, faults
+        )  # a failed assertion must not leave a writer thread held (the process could not exit)
     assert fired(hold, faults)
     assert handed == ["n:u3", "m:u1", "m:u2"]
     assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"
 
 
-def test_the_shelf_keeps_handovers_until_durable_then_the_newest_limit_of_them_until_keep_s(tmp_path: Path) -> None:
+def test_the_shelf_keeps_handovers_until_durable_then_the_newest_limit_of_them_until_keep_s(
+    tmp_path: Path,
+) -> None:
     """Handovers whose files are not durable are all kept; of the durable ones, the newest
     `limit` stay readable (until `keep_s` passes) and older ones are released: their segments go."""
     shelf = Shelf(keep_s=3600.0, limit=1)
@@ -109,7 +104,9 @@ def test_the_shelf_keeps_handovers_until_durable_then_the_newest_limit_of_them_u
     assert all(s is not None and s.exists() for s in segments), "one durable handover is within the limit"
     shelf.durable("r1")
     assert segments[0] is not None and not segments[0].exists(), "the older durable handover was kept"
-    assert segments[1] is not None and segments[1].exists() and segments[2] is not None and segments[2].exists()
+    assert (
+        segments[1] is not None and segments[1].exists() and segments[2] is not None and segments[2].exists()
+    )
 
     expired = Shelf(keep_s=0.0, limit=4)
     expired.hold(handovers[2])
