@@ -122,31 +122,51 @@ class Recorder(Protocol):
     def record(self, forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> tuple[torch.Tensor, Replay, Replay]: ...
 
 
+def first_error(exc: BaseException) -> BaseException:
+    """The error a failed capture began with: leaving ``torch.cuda.graph`` ends the capture, and
+    that fails in turn ("operation failed due to a previous error during capture"), hiding the
+    first error as the later one's context."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    return exc
+
+
 class CudaGraphRecorder:
-    """Records with CUDA graphs: two warm-up steps on a side stream (the kernels' lazy set-up, and
-    a backward from zeros), then the forward and the backward captured into one memory pool that
-    every recording shares. ``quiet`` is held while capturing (another thread of the process
-    that pins memory meanwhile would break the capture)."""
+    """Records with CUDA graphs: two warm-up steps (the kernels' lazy set-up, and a backward from
+    zeros), then the forward and the backward captured into one memory pool that every recording
+    shares. ``quiet`` is held while capturing (another thread of the process that pins memory
+    meanwhile would break the capture).
+
+    Warm-ups and captures run on one stream of the recorder's own. Autograd runs a leaf's gradient
+    accumulation on the stream that was current when the leaf's accumulator was made, and after
+    a backward makes the caller's stream wait on each such stream. An accumulator made on another
+    stream (a warm-up's, still held by its output's graph) is then waited on from inside the
+    capture, though nothing of it was captured: CUDA refuses that dependency and the capture fails
+    ("dependency created on uncaptured work in another stream"). So no warm-up output outlives
+    its step, and every stream involved is the capture's."""
 
     def __init__(self, quiet: AbstractContextManager[Any] | None = None) -> None:
         self._quiet = quiet if quiet is not None else contextlib.nullcontext()
         self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
 
     def record(self, forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> tuple[torch.Tensor, Replay, Replay]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.enable_grad():
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.enable_grad():
             for _ in range(WARMUP):
                 warm = forward()
                 warm.backward(torch.zeros_like(warm))
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+                del warm  # its graph would keep the step's accumulators alive
+        torch.cuda.current_stream().wait_stream(stream)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with self._quiet, torch.enable_grad():  # thread_local: other threads' CUDA calls (NCCL's watchdog) are no error
-            with torch.cuda.graph(fwd, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(fwd, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 out = forward()
-            with torch.cuda.graph(bwd, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(bwd, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 out.backward(grad)
         return out.detach(), fwd.replay, bwd.replay
 
@@ -294,7 +314,12 @@ class StepGraphs:
             # torch leaves an aborted capture's memory pool open (every later capture fails), so
             # no shape is recorded again in this process; static steps go on eagerly
             self.recorder = None
-            log.warning("could not record a step graph for %s; static steps run eagerly from now on: %s", shape, exc)
+            log.warning(
+                "could not record a step graph for %s; static steps run eagerly from now on: %s",
+                shape,
+                first_error(exc),
+                exc_info=True,
+            )
             return
         finally:
             if self._grads.is_cuda:
