@@ -14,9 +14,11 @@ and recorded, the next section still runs):
                the loss on the engine's default path, and every workload again through
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
-               vocab-parallel CE); other attention backends on the 4k batches (and
-               varlen_flash_cudnn on the one-document 4k and 8k batches); torch.profiler
-               tables of 4x1024, and of 16x256 for one tenant and for eight
+               vocab-parallel CE); the main rows on the engine's default attention
+               (engine.resolve_backend: varlen_flash_cudnn on CUDA), other backends on the
+               4k batches (varlen_flash on the one-document 4k and 8k batches, where it
+               differs), step graphs on varlen_flash; torch.profiler tables of 4x1024, and
+               of 16x256 for one tenant and for eight
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -111,6 +113,10 @@ class Bench(BenchRun):
         (self.model_dir / "config.json").write_text(json.dumps(self.shape.hf_config()))
         self.ceiling = H200_PEAK_BF16
         self.usable_backends: set[str] = set()
+        wanted = args.sections.split(",")
+        # seconds the engine section leaves for the sections after it (about 80 s for hf and
+        # liger together on the H200, 10 s for optimizer)
+        self.reserve_s = 20.0 + 50.0 * sum(s in wanted for s in ("hf", "liger")) + 10.0 * ("optimizer" in wanted)
 
     def doc_len(self, n: int) -> int:
         return TINY_LEN.get(n, max(2, n // 64)) if self.tiny else n
@@ -348,12 +354,14 @@ class Bench(BenchRun):
         from megatron.core.transformer.enums import AttnMaskType
 
         from services.trainer.attention import ATTENTION_BACKENDS
-        from services.trainer.engine import AdamParams, LoraConfig
+        from services.trainer.engine import AdamParams, LoraConfig, resolve_backend
 
-        backend = "sdpa_per_document"
-        if self.cuda:
+        # the engine's own default (engine.resolve_backend) unless the attention section found it
+        # unusable here; without that section, the default unchecked
+        backend = resolve_backend("auto", self.device.type)
+        if self.cuda and self.usable_backends and backend not in self.usable_backends:
             usable = [b for b in ("varlen_flash", "flex_attention") if b in self.usable_backends]
-            backend = usable[0] if usable else backend
+            backend = usable[0] if usable else "sdpa_per_document"
         self.peak_reset()
         engine = self.build_engine(backend, num_slots=8)
         self.results.put("engine", "build_peak_gib", self.peak_gib())
@@ -403,51 +411,58 @@ class Bench(BenchRun):
         for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
             if not self.fits(name):
                 continue
-            if self.time_left() < 240:
+            if self.time_left() < self.reserve_s + 40:
                 self.log("skipping", name, "(deadline)")
                 continue
             run(name, doc_len, docs, tenants, backend)
-
-        # the workloads of at most 4,096 tokens as static steps replayed from CUDA graphs
-        # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls)
-        engine.step_graphs = engine.new_step_graphs()
-        if engine.step_graphs is not None:
-            for name in ("1x1024", "2x1024", "4x1024", "1x4096", "16x256", "16x256 8 tenants"):
-                if self.fits(name) and self.time_left() > 200:
-                    run(*by_name[name], label=f"{backend} step-graphs")
-            graphs = engine.step_graphs
-            self.results.put(
-                "engine", "step_graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
-            )
-            self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
-        engine.step_graphs = None
-
-        default = engine.fused_ce
-        for path in CE_PATHS if fused_ok else ():
-            engine.fused_ce = path == "fused-ce"
-            for name in by_name:
-                if not self.fits(name) or self.time_left() < 200:
-                    continue
-                run(*by_name[name], label=f"{backend} {path}")
-        engine.fused_ce = default
 
         def swap(to: str) -> None:
             cls = ATTENTION_BACKENDS[to]
             for layer in engine.model.decoder.layers:
                 attn = layer.self_attention
                 attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
+            engine.config = dataclasses.replace(engine.config, attention_backend=to)
+
+        # the workloads of at most 4,096 tokens as static steps replayed from CUDA graphs
+        # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls); with
+        # step graphs on, the engine's attention is varlen_flash (engine.resolve_backend)
+        graphed = resolve_backend("auto", self.device.type, step_graphs=True)
+        swap(graphed)
+        engine.step_graphs = engine.new_step_graphs()
+        if engine.step_graphs is not None:
+            for name in ("1x1024", "2x1024", "4x1024", "1x4096", "16x256", "16x256 8 tenants"):
+                if self.fits(name) and self.time_left() > self.reserve_s:
+                    run(*by_name[name], label=f"{graphed} step-graphs")
+            graphs = engine.step_graphs
+            self.results.put(
+                "engine", "step_graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
+            )
+            self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
+        engine.step_graphs = None
+        swap(backend)
+
+        default = engine.fused_ce
+        for path in CE_PATHS if fused_ok else ():
+            engine.fused_ce = path == "fused-ce"
+            for name in by_name:
+                if not self.fits(name) or self.time_left() < self.reserve_s:
+                    continue
+                run(*by_name[name], label=f"{backend} {path}")
+        engine.fused_ce = default
 
         others = (
-            [b for b in ("sdpa_per_document", "flex_attention", "varlen_flash_cudnn") if b != backend]
+            [b for b in ("sdpa_per_document", "flex_attention", "varlen_flash_cudnn", "varlen_flash") if b != backend]
             if self.cuda
             else []
         )
+        varlen = {"varlen_flash", "varlen_flash_cudnn"}  # they differ on one-document streams alone
         for other in others:
             if other not in self.usable_backends:
                 continue
             swap(other)
-            for name in ONE_DOCUMENT_WORKLOADS if other == "varlen_flash_cudnn" else BACKEND_WORKLOADS:
-                if not self.fits(name) or self.time_left() < 200:
+            one_document = other == "varlen_flash_cudnn" or {other, backend} == varlen
+            for name in ONE_DOCUMENT_WORKLOADS if one_document else BACKEND_WORKLOADS:
+                if not self.fits(name) or self.time_left() < self.reserve_s:
                     continue
                 try:
                     # One probe step first: a backend that recompiles on every forward would
@@ -477,7 +492,7 @@ class Bench(BenchRun):
         # ... and of the same tokens for one tenant and for eight: where the 8-tenant step's extra
         # time goes (profile_engine_16x256.txt beside profile_engine_16x256_8_tenants.txt)
         for name in TENANT_PROFILE_WORKLOADS:
-            if not self.fits(name) or self.time_left() < 150:
+            if not self.fits(name) or self.time_left() < self.reserve_s:
                 continue
             _, doc_len, docs, tenants = by_name[name]
             batch = self.datums(self.doc_len(doc_len), docs, tenants)
@@ -799,8 +814,7 @@ class Bench(BenchRun):
             [
                 r
                 for r in engine
-                if r["backend"] in ("varlen_flash", "sdpa_per_document")
-                and r["backend"] == engine[0]["backend"]
+                if r["backend"] == engine[0]["backend"]  # the engine's default backend: its first rows
             ]
             if engine
             else []

@@ -25,9 +25,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
     attention_backend: str = "auto"
-    """A key of services/trainer/attention.py's ATTENTION_BACKENDS; auto: varlen_flash on CUDA,
-    sdpa_per_document on CPU. ``varlen_flash_cudnn`` runs a one-document step of at least 2,048
-    tokens through cuDNN's attention (docs/gpu.md, "Attention backends")."""
+    """A key of services/trainer/attention.py's ATTENTION_BACKENDS; auto: varlen_flash_cudnn on
+    CUDA (varlen_flash with step graphs on), sdpa_per_document on CPU (engine.resolve_backend).
+    ``varlen_flash_cudnn`` runs a one-document step of at least 2,048 tokens through cuDNN's
+    attention (docs/gpu.md, "Attention backends")."""
     fused_cross_entropy: bool | None = None
     """The chunked fused linear cross-entropy (fused_ce.py): on, off, or unset: on CUDA for a
     forward whose unfused logits would pass engine.UNFUSED_LOGITS_BYTES, off on CPU."""

@@ -26,7 +26,7 @@ from services.trainer.attention import (
     cudnn_attention_usable,
     document_ids,
 )
-from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine
+from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_backend
 from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens
 from tests.numerics import U32, U64, assert_within, attention_bound
 
@@ -239,3 +239,14 @@ def test_the_trainers_attention_setting_picks_its_engines_backend_and_an_unknown
     assert kinds == {BlockDiagonalSdpa}
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; known: .*varlen_flash_cudnn"):
         build_engine(load_config({**env, "TINKERD_TRAINER_ATTENTION_BACKEND": "nope"}), "cpu")
+
+
+def test_auto_backend_is_sdpa_on_cpu_and_cudnn_assisted_varlen_on_cuda_unless_steps_are_recorded() -> None:
+    """`auto` takes cuDNN for one long document on CUDA, but not where step graphs record steps
+    (a static step's rounded max_seqlen cannot tell one document from several); a named backend
+    is kept as named."""
+    assert resolve_backend("auto", "cpu") == "sdpa_per_document"
+    assert resolve_backend("auto", "cpu", step_graphs=True) == "sdpa_per_document"
+    assert resolve_backend("auto", "cuda") == "varlen_flash_cudnn"
+    assert resolve_backend("auto", "cuda", step_graphs=True) == "varlen_flash"
+    assert resolve_backend("flex_attention", "cuda", step_graphs=True) == "flex_attention"
