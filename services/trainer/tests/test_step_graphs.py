@@ -273,8 +273,8 @@ def test_replays_of_a_recording_give_the_static_steps_results_bit_for_bit(qwen_d
 
 
 class FailingRecorder:
-    """A recorder whose recording fails after running the warm-up's forward and backward (as an
-    aborted CUDA capture does)."""
+    """A recorder whose recording fails after running the warm-up's forward and backward as an
+    aborted CUDA capture does: the capture's end fails while the first error is being raised."""
 
     def __init__(self) -> None:
         self.tries = 0
@@ -285,13 +285,18 @@ class FailingRecorder:
         self.tries += 1
         with torch.enable_grad():
             forward().backward(grad)
-        raise RuntimeError("operation failed due to a previous error during capture")
+        try:
+            raise RuntimeError("dependency created on uncaptured work in another stream")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
 
 
-def test_after_a_failed_recording_static_steps_run_eagerly_and_nothing_more_is_recorded(qwen_dir: Path) -> None:
+def test_after_a_failed_recording_static_steps_run_eagerly_and_nothing_more_is_recorded(
+    qwen_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The first recording fails: that step and the later ones, of another shape too, give the
-    results of an engine without recordings bit for bit (the warm-up's gradients are undone), and
-    no second recording is tried."""
+    results of an engine without recordings bit for bit (the warm-up's gradients are undone), no
+    second recording is tried, and the warning names the error the recording began with."""
     failing, eager = _engine(qwen_dir, True), _engine(qwen_dir, True)
     assert failing.step_graphs is not None and eager.step_graphs is not None
     recorder = FailingRecorder()
@@ -301,6 +306,8 @@ def test_after_a_failed_recording_static_steps_run_eagerly_and_nothing_more_is_r
     _assert_steps_alike(failing, eager, [_batch(rng, (1, 30), (1, 200)), _batch(rng, (0, 150), (2, 60))])
     assert recorder.tries == 1 and failing.step_graphs.recorder is None
     assert failing.step_graphs.recorded == 0 and failing.step_graphs.steps == 2
+    [warning] = [r for r in caplog.records if "could not record a step graph" in r.getMessage()]
+    assert warning.getMessage().endswith("dependency created on uncaptured work in another stream")
 
 
 class HostSyncAudit(TorchDispatchMode):
