@@ -15,10 +15,10 @@ and recorded, the next section still runs):
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
                vocab-parallel CE); the main rows on the engine's default attention
-               (engine.resolve_backend: varlen_flash_cudnn on CUDA), other backends on the
-               4k batches (varlen_flash on the one-document 4k and 8k batches, where it
-               differs), step graphs on varlen_flash; torch.profiler tables of 4x1024, and
-               of 16x256 for one tenant and for eight
+               (engine.resolve_backend: varlen_flash_cudnn on CUDA), with and without step
+               graphs, other backends on the 4k batches (varlen_flash on the one-document 4k
+               and 8k batches, where it differs); torch.profiler tables of 4x1024, and of
+               16x256 for one tenant and for eight
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
                of a 64-slot pool (rank 32), each count stepped in one SlotAdamW.step_many call
                (wall time, host time until the call returns, aten ops and kernels of one call)
@@ -416,30 +416,19 @@ class Bench(BenchRun):
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        def swap(to: str) -> None:
-            cls = ATTENTION_BACKENDS[to]
-            for layer in engine.model.decoder.layers:
-                attn = layer.self_attention
-                attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
-            engine.config = dataclasses.replace(engine.config, attention_backend=to)
-
         # the workloads of at most 4,096 tokens as static steps replayed from CUDA graphs
-        # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls); with
-        # step graphs on, the engine's attention is varlen_flash (engine.resolve_backend)
-        graphed = resolve_backend("auto", self.device.type, step_graphs=True)
-        swap(graphed)
+        # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls)
         engine.step_graphs = engine.new_step_graphs()
         if engine.step_graphs is not None:
             for name in ("1x1024", "2x1024", "4x1024", "1x4096", "16x256", "16x256 8 tenants"):
                 if self.fits(name) and self.time_left() > self.reserve_s:
-                    run(*by_name[name], label=f"{graphed} step-graphs")
+                    run(*by_name[name], label=f"{backend} step-graphs")
             graphs = engine.step_graphs
             self.results.put(
                 "engine", "step_graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
             )
             self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
         engine.step_graphs = None
-        swap(backend)
 
         default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():
@@ -449,6 +438,12 @@ class Bench(BenchRun):
                     continue
                 run(*by_name[name], label=f"{backend} {path}")
         engine.fused_ce = default
+
+        def swap(to: str) -> None:
+            cls = ATTENTION_BACKENDS[to]
+            for layer in engine.model.decoder.layers:
+                attn = layer.self_attention
+                attn.core_attention = cls(attn.config, attn.layer_number, AttnMaskType.causal, "self")
 
         others = (
             [b for b in ("sdpa_per_document", "flex_attention", "varlen_flash_cudnn", "varlen_flash") if b != backend]

@@ -28,12 +28,14 @@ rounding), so a GPU backend replaces the CPU ones by configuration alone.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -325,6 +327,27 @@ CUDNN_MIN_TOKENS = 2048
 """The shortest one-document stream ``varlen_flash_cudnn`` hands to cuDNN: below it a step is
 bound by the host, where cuDNN's call costs more than FlashAttention's."""
 
+_MAX_SEQLEN_EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("max_seqlen_exact", default=True)
+
+
+@contextlib.contextmanager
+def max_seqlen_rounded() -> Iterator[None]:
+    """Forwards within pass a ``max_seqlen`` rounded up rather than their longest document's
+    length (the static steps of ``step_graphs.py``): a stream whose ``max_seqlen`` equals its
+    length may then hold several documents, so no stream is taken for one document."""
+    token = _MAX_SEQLEN_EXACT.set(False)
+    try:
+        yield
+    finally:
+        _MAX_SEQLEN_EXACT.reset(token)
+
+
+def one_long_document(max_len: int, total: int) -> bool:
+    """Whether a stream of ``total`` tokens whose ``max_seqlen`` is ``max_len`` is one document of
+    at least ``CUDNN_MIN_TOKENS``: known on the host, with no sync, where ``max_seqlen`` is the
+    longest document's length (outside ``max_seqlen_rounded``)."""
+    return _MAX_SEQLEN_EXACT.get() and max_len == total >= CUDNN_MIN_TOKENS
+
 _CUDNN_OK: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 
 
@@ -382,8 +405,8 @@ class VarlenFlashCudnnAttention(VarlenFlashAttention):
     """``VarlenFlashAttention``, but a stream that is one document of at least ``CUDNN_MIN_TOKENS``
     (an ``Nx1`` step of one long sequence) runs cuDNN's fused attention instead: Hopper's cuDNN
     kernels outrun FlashAttention-2 on long causal documents. Whether the stream is one document
-    is known on the host (``max_len`` equals the stream's length), so the choice costs no sync;
-    cuDNN is used only where ``cudnn_attention_usable`` found it working at first use."""
+    is known on the host (``one_long_document``), so the choice costs no sync; cuDNN is used only
+    where ``cudnn_attention_usable`` found it working at first use."""
 
     def _attend_packed(
         self,
@@ -394,10 +417,9 @@ class VarlenFlashCudnnAttention(VarlenFlashAttention):
         max_len: int,
         cache_key: torch.Tensor | None,
     ) -> torch.Tensor:
-        total = q.shape[0]
         if (
             q.is_cuda
-            and max_len == total >= CUDNN_MIN_TOKENS
+            and one_long_document(max_len, q.shape[0])
             and cudnn_attention_usable(q.device, q.dtype, q.shape[-1])
         ):
             return _causal_sdpa(q, k, v, self.scale, cudnn=True)

@@ -26,7 +26,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """cpu | cuda | auto (cuda when available)."""
     attention_backend: str = "auto"
     """A key of services/trainer/attention.py's ATTENTION_BACKENDS; auto: varlen_flash_cudnn on
-    CUDA (varlen_flash with step graphs on), sdpa_per_document on CPU (engine.resolve_backend).
+    CUDA, sdpa_per_document on CPU (engine.resolve_backend).
     ``varlen_flash_cudnn`` runs a one-document step of at least 2,048 tokens through cuDNN's
     attention (docs/gpu.md, "Attention backends")."""
     fused_cross_entropy: bool | None = None

@@ -67,23 +67,19 @@ class EngineConfig:
     attention_backend: str = "auto"  # a key of attention.ATTENTION_BACKENDS; auto: resolve_backend
     fused_cross_entropy: bool | None = None  # None: by size on CUDA, off on CPU (see resolve_fused_ce)
     # Steps of at most step_graph_max_tokens (padded) whose slots train the same modules run at
-    # static shapes, replayed as CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash
-    # or sdpa_per_document backend
+    # static shapes, replayed as CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash,
+    # varlen_flash_cudnn or sdpa_per_document backend
     step_graphs: bool = False
     step_graph_max_tokens: int = 4096
 
 
-def resolve_backend(name: str, device: str, step_graphs: bool = False) -> str:
-    """`auto`: per-document SDPA on CPU; on CUDA ``varlen_flash_cudnn`` (FlashAttention-2, and
-    cuDNN for a step that is one long document: 7 % and 11 % faster at 1x4096 and 1x8192 on the
-    H200, docs/benchmarks.md), or ``varlen_flash`` where step graphs are on. A static step's
-    ``max_seqlen`` is rounded up, so it cannot tell one document from several, and those steps
-    need the kernel that masks by ``cu_seqlens`` whatever the layout."""
+def resolve_backend(name: str, device: str) -> str:
+    """`auto`: ``varlen_flash_cudnn`` on CUDA (FlashAttention-2, and cuDNN for a step that is one
+    long document: 7 % and 11 % faster at 1x4096 and 1x8192 on the H200, docs/benchmarks.md),
+    per-document SDPA on CPU."""
     if name != "auto":
         return name
-    if device != "cuda":
-        return "sdpa_per_document"
-    return "varlen_flash" if step_graphs else "varlen_flash_cudnn"
+    return "varlen_flash_cudnn" if device == "cuda" else "sdpa_per_document"
 
 
 # The default loss path on CUDA: megatron's output layer + vocab-parallel cross-entropy while a
@@ -124,7 +120,7 @@ class TrainerEngine:
             config.base_model_dir,
             dtype=dtype,
             device=config.device,
-            attention_backend=resolve_backend(config.attention_backend, config.device, config.step_graphs),
+            attention_backend=resolve_backend(config.attention_backend, config.device),
         )
         self.pool = AdapterPool(self.shape, config.num_slots, config.max_lora_rank, device=config.device)
         self.pool.attach(self.model)
@@ -363,9 +359,9 @@ class TrainerEngine:
     def new_step_graphs(self) -> StepGraphs | None:
         """Static steps for this engine, recorded as CUDA graphs on CUDA (``step_graphs.py``;
         assigned to ``step_graphs`` they apply); None where they do not: TP > 1, or an attention
-        backend other than varlen_flash and sdpa_per_document."""
-        backend = resolve_backend(self.config.attention_backend, self.config.device, self.config.step_graphs)
-        if self.tp_size != 1 or backend not in ("varlen_flash", "sdpa_per_document"):
+        backend other than varlen_flash(_cudnn) and sdpa_per_document."""
+        backend = resolve_backend(self.config.attention_backend, self.config.device)
+        if self.tp_size != 1 or backend not in ("varlen_flash", "varlen_flash_cudnn", "sdpa_per_document"):
             return None
         recorder = CudaGraphRecorder(quiet=slot_state.PINNING) if self.device.type == "cuda" else None
         return StepGraphs(self._static_logprobs, self.pool.routing, self.pool.rows.grads, recorder)

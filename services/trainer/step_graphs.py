@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from libs.contracts.common import LoraConfig
-from services.trainer import packed_rope
+from services.trainer import attention, packed_rope
 from services.trainer.lora import Segment, SlotRouting, StaticRouting, lora_scaling
 from services.trainer.packing import DatumInput
 
@@ -296,7 +296,8 @@ class StepGraphs:
         self._routing.segments = segments
         self._routing.static = rec.routing
         try:
-            return self._forward(rec.input_ids, rec.position_ids, rec.labels, rec.cu_seqlens, shape.longest)
+            with attention.max_seqlen_rounded():  # L_b is a bound, not the longest document
+                return self._forward(rec.input_ids, rec.position_ids, rec.labels, rec.cu_seqlens, shape.longest)
         finally:
             self._routing.segments = []
             self._routing.static = None

@@ -17,6 +17,7 @@ import torch
 
 from services.trainer.attention import (
     ATTENTION_BACKENDS,
+    CUDNN_MIN_TOKENS,
     BlockDiagonalSdpa,
     FlexDocumentAttention,
     PerDocumentSdpa,
@@ -25,6 +26,8 @@ from services.trainer.attention import (
     _causal_sdpa,
     cudnn_attention_usable,
     document_ids,
+    max_seqlen_rounded,
+    one_long_document,
 )
 from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_backend
 from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens
@@ -241,12 +244,21 @@ def test_the_trainers_attention_setting_picks_its_engines_backend_and_an_unknown
         build_engine(load_config({**env, "TINKERD_TRAINER_ATTENTION_BACKEND": "nope"}), "cpu")
 
 
-def test_auto_backend_is_sdpa_on_cpu_and_cudnn_assisted_varlen_on_cuda_unless_steps_are_recorded() -> None:
-    """`auto` takes cuDNN for one long document on CUDA, but not where step graphs record steps
-    (a static step's rounded max_seqlen cannot tell one document from several); a named backend
-    is kept as named."""
+def test_auto_backend_is_sdpa_on_cpu_and_cudnn_assisted_varlen_on_cuda() -> None:
+    """`auto` is per-document SDPA on CPU and FlashAttention-2 with cuDNN for one long document on
+    CUDA; a named backend is kept as named."""
     assert resolve_backend("auto", "cpu") == "sdpa_per_document"
-    assert resolve_backend("auto", "cpu", step_graphs=True) == "sdpa_per_document"
     assert resolve_backend("auto", "cuda") == "varlen_flash_cudnn"
-    assert resolve_backend("auto", "cuda", step_graphs=True) == "varlen_flash"
-    assert resolve_backend("flex_attention", "cuda", step_graphs=True) == "flex_attention"
+    assert resolve_backend("flex_attention", "cuda") == "flex_attention"
+
+
+def test_only_an_exact_max_seqlen_equal_to_the_stream_makes_one_long_document() -> None:
+    """A stream is one document for cuDNN where its max_seqlen, the longest document's length,
+    equals its length and reaches CUDNN_MIN_TOKENS; never under ``max_seqlen_rounded``, where a
+    static step's rounded bound can equal the length of a stream of several documents."""
+    n = CUDNN_MIN_TOKENS
+    assert one_long_document(n, n) and one_long_document(2 * n, 2 * n)
+    assert not one_long_document(n - 1, n) and not one_long_document(n // 2, n // 2)
+    with max_seqlen_rounded():
+        assert not one_long_document(n, n)
+    assert one_long_document(n, n)

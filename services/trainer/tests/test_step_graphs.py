@@ -21,7 +21,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from libs.contracts.common import LoraConfig
-from services.trainer.attention import _FusedPackedAttention, document_ids
+from services.trainer.attention import (
+    CUDNN_MIN_TOKENS,
+    PerDocumentSdpa,
+    _FusedPackedAttention,
+    document_ids,
+    one_long_document,
+)
 from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
 from services.trainer.step_graphs import StepShape
 from services.trainer.tests.helpers import ce_datum, randomize_slot
@@ -153,6 +159,31 @@ def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches
         np.testing.assert_allclose(s.logprobs, p.logprobs, rtol=1e-5, atol=1e-5)
         assert s.loss == pytest.approx(p.loss, rel=1e-5, abs=1e-5)
     _assert_near(s_grads, p_grads, "gradients")
+
+
+def test_no_stream_of_a_static_step_counts_as_one_long_document(
+    pair: tuple[TrainerEngine, TrainerEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A static step's max_seqlen is its rounded L_b, which can equal the stream's length while
+    the stream holds several documents: inside its forward no stream may be taken for one long
+    document (``varlen_flash_cudnn``'s dense path). Inside a plain step's forward, one may."""
+    _reset(pair)
+    seen: dict[str, set[bool]] = {"plain": set(), "static": set()}
+    label = ["plain"]
+    attend = PerDocumentSdpa._attend
+
+    def spy(self: PerDocumentSdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        seen[label[0]].add(one_long_document(CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS))
+        return attend(self, q, k, v, bounds)
+
+    monkeypatch.setattr(PerDocumentSdpa, "_attend", spy)
+    rng = np.random.default_rng(9)
+    batch = [ce_datum(rng, 1, n) for n in (7, 4)]
+    for name, engine in zip(("plain", "static"), pair, strict=True):
+        label[0] = name
+        engine.forward_backward(batch, "cross_entropy")
+        engine.discard_grads(1)
+    assert seen == {"plain": {True}, "static": {False}}
 
 
 def test_static_steps_repeat_exactly_and_forward_only_gives_the_logprobs_of_forward_backward(
