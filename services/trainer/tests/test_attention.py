@@ -208,8 +208,6 @@ def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error() 
     query heads of 128, 8 key/value groups, as Qwen3-8B): cuDNN is usable on this GPU, so the
     stream goes through it, and its bf16 output and q/k/v gradients are within bf16 error of the
     fp32 reference."""
-    from services.trainer.attention import CUDNN_MIN_TOKENS
-
     assert cudnn_attention_usable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 128)
     gen = torch.Generator().manual_seed(9)
     cfg = _cfg(32, 8, 128)
