@@ -348,6 +348,7 @@ def one_long_document(max_len: int, total: int) -> bool:
     longest document's length (outside ``max_seqlen_rounded``)."""
     return _MAX_SEQLEN_EXACT.get() and max_len == total >= CUDNN_MIN_TOKENS
 
+
 _CUDNN_OK: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 
 
