@@ -203,12 +203,23 @@ def test_fused_backend_forward_backward_on_cuda(backend: str) -> None:
 
 
 @needs_cuda
-def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error() -> None:
+def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``varlen_flash_cudnn`` on a stream that is one document of ``CUDNN_MIN_TOKENS`` tokens (32
-    query heads of 128, 8 key/value groups, as Qwen3-8B): cuDNN is usable on this GPU, so the
-    stream goes through it, and its bf16 output and q/k/v gradients are within bf16 error of the
-    fp32 reference."""
+    query heads of 128, 8 key/value groups, as Qwen3-8B): cuDNN is usable on this GPU, the stream
+    goes through it (one call of the cuDNN path), and its bf16 output and q/k/v gradients are
+    within bf16 error of the fp32 reference."""
+    from services.trainer import attention
+
     assert cudnn_attention_usable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 128)
+    cudnn_calls: list[bool] = []
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
+        cudnn_calls.append(cudnn)
+        return _causal_sdpa(q, k, v, scale, cudnn=cudnn)
+
+    monkeypatch.setattr(attention, "_causal_sdpa", counted)
     gen = torch.Generator().manual_seed(9)
     cfg = _cfg(32, 8, 128)
     packed = _Packed([CUDNN_MIN_TOKENS], "cuda")
@@ -222,6 +233,7 @@ def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error() 
     for g, w in zip([got, *grads], [want, *want_grads], strict=True):
         rel = float(torch.linalg.vector_norm(g.double() - w.double()) / torch.linalg.vector_norm(w.double()))
         assert rel < 2e-2, rel
+    assert cudnn_calls == [True]
 
 
 def test_the_trainers_attention_setting_picks_its_engines_backend_and_an_unknown_one_fails_its_start(
