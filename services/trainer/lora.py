@@ -217,6 +217,7 @@ class SlotRouting:
                 real_scale=st.scales,
                 every=True,
                 scale=None,  # the recording serves slots of other ranks: the scales stay tensors
+                identity=True,  # segment g is the static step's slot g: compute row g
             )
         if key not in self._groups:
             slots = sorted({s.slot for s in self.segments if self.configs[s.slot].trains(group)})
@@ -227,15 +228,19 @@ class SlotRouting:
             ]  # len(routed): the compute rows' all-zero row
             real = [g for g, row in enumerate(source) if row < len(routed)]
             scales = [lora_scaling(self.configs[self.segments[g].slot].rank) for g in real]
+            real_slots = [self.segments[g].slot for g in real]
+            consecutive = real_slots == list(range(real_slots[0], real_slots[0] + len(real_slots)))
             self._groups[key] = GroupLayout(
                 rank=max(self.configs[s].rank for s in slots),
                 source=torch.tensor(source, device=x.device),
                 offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
                 real=torch.tensor(real, device=x.device),
-                real_slots=torch.tensor([self.segments[g].slot for g in real], device=x.device),
+                real_slots=torch.tensor(real_slots, device=x.device),
                 real_scale=torch.tensor(scales, device=x.device),
                 every=len(real) == len(self.segments),
                 scale=scales[0] if len(set(scales)) == 1 else None,
+                identity=source == list(range(len(source))),
+                first_slot=real_slots[0] if consecutive else None,
             )
         return self._groups[key]
 
@@ -275,6 +280,8 @@ class GroupLayout:
     real_scale: torch.Tensor  # fp32: that slot's alpha/rank (its B's gradient is scaled by it)
     every: bool  # every group is real: a gradient needs no selection of its real groups
     scale: float | None  # the real groups' one alpha/rank where they share it
+    identity: bool = False  # source is 0..G-1: the groups' weights are the first G compute rows
+    first_slot: int | None = None  # the real groups' slots are this one and the next ones, in order
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -472,9 +479,16 @@ class SlotAdapter(nn.Module):
         r = layout.rank
         a_rows, b_rows, _ = self._compute(rows.dtype)
         # each group's weights gathered straight from its row of the compute rows (one gather per
-        # factor); a group whose slot does not train these modules reads the all-zero row
-        a = a_rows[:, :, :r].index_select(0, layout.source).flatten(1, 2)  # [G, parts*r, in]
-        b = block_diagonal(b_rows[:, :, :r].index_select(0, layout.source), self.part_mask)  # [G, out, parts*r]
+        # factor; none where group g's row is row g); a group whose slot does not train these
+        # modules reads the all-zero row
+        if layout.identity:
+            groups = layout.offsets.shape[0]
+            a_groups, b_groups = a_rows[:groups, :, :r], b_rows[:groups, :, :r]
+        else:
+            a_groups = a_rows[:, :, :r].index_select(0, layout.source)
+            b_groups = b_rows[:, :, :r].index_select(0, layout.source)
+        a = a_groups.flatten(1, 2)  # [G, parts*r, in]
+        b = block_diagonal(b_groups, self.part_mask)  # [G, out, parts*r]
         pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
         if pad:
             a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [G, w, in]
@@ -483,17 +497,26 @@ class SlotAdapter(nn.Module):
         a_grads, b_grads = self.lora_A.grad, self.lora_B.grad
         assert a_grads is not None and b_grads is not None
 
+        # Each real group's gradient adds into its slot's row: consecutive slots as one slice
+        # (an in-place addition that promotes bf16 itself), other slots by index (whose addition
+        # takes fp32: one cast first). Either is one addition per element.
+        first = layout.first_slot
+
+        def into(grads: torch.Tensor, real: torch.Tensor, alpha: float = 1.0) -> None:
+            if first is not None:
+                grads[first : first + real.shape[0], :, :r].add_(real, alpha=alpha)
+            else:
+                grads[:, :, :r].index_add_(0, layout.real_slots, real.to(grads.dtype), alpha=alpha)
+
         def a_sink(g: torch.Tensor) -> None:  # [G, w, in]: each real group into its slot's row
-            real = (g if layout.every else g.index_select(0, layout.real))[:, :width].unflatten(1, (parts, r))
-            a_grads[:, :, :r].index_add_(0, layout.real_slots, real.to(a_grads.dtype))
+            into(a_grads, (g if layout.every else g.index_select(0, layout.real))[:, :width].unflatten(1, (parts, r)))
 
         def b_sink(g: torch.Tensor) -> None:  # [G, out, w]
             real = self._diagonal((g if layout.every else g.index_select(0, layout.real))[..., :width], r)
-            real = real.to(b_grads.dtype)
             if layout.scale is not None:  # one alpha/rank for all: the addition scales (no product)
-                b_grads[:, :, :r].index_add_(0, layout.real_slots, real, alpha=layout.scale)
+                into(b_grads, real, alpha=layout.scale)
             else:
-                b_grads[:, :, :r].index_add_(0, layout.real_slots, real * layout.real_scale.view(-1, 1, 1))
+                into(b_grads, real.to(b_grads.dtype) * layout.real_scale.view(-1, 1, 1))
 
         a = _ToRows.apply(self.lora_A, a, a_sink)
         b = _ToRows.apply(self.lora_B, b, b_sink)

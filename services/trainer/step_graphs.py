@@ -17,9 +17,12 @@ documents, the longest ``L``, runs as ``T_b`` tokens (``T`` rounded up to a mult
 ``TOKEN_STEP``; the padding is one more document of token 0, in the last slot's segment and in no
 loss, so its gradient is exactly zero), ``D_b + 1`` boundaries (``D_b`` the power of two above
 ``D``; the spare documents are empty) and ``L_b`` (the power of two at or above ``L`` and the
-padding, at most ``T_b``: the attention kernel's grid). The slots, their segments' ends and their
-``alpha/rank`` are device tensors (``lora.StaticRouting``), so one recording serves any slots of
-the same count, largest rank and modules: ``StepShape`` is the recording's key. One slot takes the
+padding, at most ``T_b``: the attention kernel's grid). One document of exactly ``T_b`` tokens is
+a shape of its own (``one_document``): its ``L_b`` is that document's length, so
+``varlen_flash_cudnn`` records cuDNN's attention for it, as the plain engine runs it. The slots,
+their segments' ends and their ``alpha/rank`` are device tensors (``lora.StaticRouting``), so one
+recording serves any slots of the same count, largest rank and modules: ``StepShape`` is the
+recording's key. One slot takes the
 one-slot LoRA path, several the grouped matmuls, as in the plain engine on CUDA.
 
 Costs: a new shape runs two eager steps on a side stream (with the slot's gradients restored
@@ -81,6 +84,7 @@ class StepShape:
     slots: int  # S: one segment each
     rank: int  # the largest of their ranks
     modules: tuple[bool, bool, bool]  # train_attn, train_mlp, train_unembed, the same for every slot
+    one_document: bool = False  # one document of exactly T_b tokens, no padding: L_b is its length
 
     @staticmethod
     def of(lengths: list[int], configs: list[LoraConfig]) -> StepShape:
@@ -90,7 +94,8 @@ class StepShape:
         docs = _power_of_two(len(lengths) + 1)  # and the padding document
         longest = min(_power_of_two(max(*lengths, tokens - total)), tokens)
         rank = max(c.rank for c in configs)
-        return StepShape(tokens, docs, longest, len(configs), rank, modules(configs[0]))
+        one = len(lengths) == 1 and total == tokens
+        return StepShape(tokens, docs, longest, len(configs), rank, modules(configs[0]), one)
 
 
 @dataclass
@@ -295,8 +300,11 @@ class StepGraphs:
         packed_rope.forget()  # its per-forward cache is keyed by the identity of cu_seqlens
         self._routing.segments = segments
         self._routing.static = rec.routing
+        # L_b is a bound, not the longest document's length, except in a one-document shape,
+        # whose every step is one document of exactly L_b = T_b tokens (cuDNN may take it)
+        exact = contextlib.nullcontext() if shape.one_document else attention.max_seqlen_rounded()
         try:
-            with attention.max_seqlen_rounded():  # L_b is a bound, not the longest document
+            with exact:
                 return self._forward(rec.input_ids, rec.position_ids, rec.labels, rec.cu_seqlens, shape.longest)
         finally:
             self._routing.segments = []

@@ -119,7 +119,8 @@ def _assert_near(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], la
 
 def test_step_shapes_round_tokens_documents_and_the_longest_document_up() -> None:
     assert StepShape.of([5, 9, 3], [X]) == StepShape(256, 4, 256, 1, 4, ALL)
-    assert StepShape.of([256], [X]) == StepShape(256, 2, 256, 1, 4, ALL)  # no padding left
+    assert StepShape.of([256], [X]) == StepShape(256, 2, 256, 1, 4, ALL, one_document=True)  # no padding
+    assert not StepShape.of([200], [X]).one_document and not StepShape.of([128, 128], [X]).one_document
     assert StepShape.of([300, 100, 100], [X]) == StepShape(512, 4, 512, 1, 4, ALL)
     assert StepShape.of([700] * 2 + [40] * 5, [X]).docs == 8
     assert StepShape.of([1000, 1000, 1000, 50], [X]) == StepShape(3072, 8, 1024, 1, 4, ALL)
@@ -161,29 +162,37 @@ def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches
     _assert_near(s_grads, p_grads, "gradients")
 
 
-def test_no_stream_of_a_static_step_counts_as_one_long_document(
+def test_only_a_static_step_of_one_unpadded_document_counts_as_one_long_document(
     pair: tuple[TrainerEngine, TrainerEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A static step's max_seqlen is its rounded L_b, which can equal the stream's length while
-    the stream holds several documents: inside its forward no stream may be taken for one long
-    document (``varlen_flash_cudnn``'s dense path). Inside a plain step's forward, one may."""
+    the stream holds several documents or padding: inside such a forward no stream may be taken
+    for one long document (``varlen_flash_cudnn``'s dense path). A static step of one document
+    of exactly T_b tokens has L_b equal to that document's length, and may be, as in a plain
+    step's forward."""
     _reset(pair)
-    seen: dict[str, set[bool]] = {"plain": set(), "static": set()}
-    label = ["plain"]
+    seen: dict[str, set[bool]] = {}
+    label = [""]
     attend = PerDocumentSdpa._attend
 
     def spy(self: PerDocumentSdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        seen[label[0]].add(one_long_document(CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS))
+        seen.setdefault(label[0], set()).add(one_long_document(CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS))
         return attend(self, q, k, v, bounds)
 
     monkeypatch.setattr(PerDocumentSdpa, "_attend", spy)
     rng = np.random.default_rng(9)
-    batch = [ce_datum(rng, 1, n) for n in (7, 4)]
+    batches = {"two documents": (7, 4), "one padded": (200,), "one unpadded": (256,)}
     for name, engine in zip(("plain", "static"), pair, strict=True):
-        label[0] = name
-        engine.forward_backward(batch, "cross_entropy")
-        engine.discard_grads(1)
-    assert seen == {"plain": {True}, "static": {False}}
+        for batch_name, lengths in batches.items():
+            label[0] = f"{name}, {batch_name}"
+            engine.forward_backward([ce_datum(rng, 1, n) for n in lengths], "cross_entropy")
+            engine.discard_grads(1)
+    assert seen == {
+        **{f"plain, {b}": {True} for b in batches},
+        "static, two documents": {False},
+        "static, one padded": {False},
+        "static, one unpadded": {True},
+    }
 
 
 def test_static_steps_repeat_exactly_and_forward_only_gives_the_logprobs_of_forward_backward(
@@ -493,3 +502,39 @@ def test_cuda_step_graph_replays_equal_the_static_step_run_eagerly_bit_for_bit(q
     assert all(not v.any() for v in _grads(graphs, 3).values())
     _assert_steps_alike(graphs, eager, calls[-1:])
     assert graphs.step_graphs.recorded == 2 and graphs.step_graphs.replays == 5
+
+
+@cuda
+def test_cuda_a_one_document_step_graph_records_cudnn_attention_and_replays_bit_for_bit(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of one document of exactly ``CUDNN_MIN_TOKENS`` tokens (a shape of its own) on the
+    CUDA default backend: the recording's attention is cuDNN's (``_causal_sdpa`` with ``cudnn``,
+    and never FlashAttention's), and its replays give the same static steps run eagerly bit for
+    bit, with an optimizer step between two of them."""
+    from services.trainer import attention
+
+    calls: list[bool] = []
+    causal = attention._causal_sdpa
+
+    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
+        calls.append(cudnn)
+        return causal(q, k, v, scale, cudnn=cudnn)
+
+    graphs, eager = _engine(qwen_dir, True, "cuda"), _engine(qwen_dir, True, "cuda")
+    assert graphs.step_graphs is not None and eager.step_graphs is not None
+    eager.step_graphs.recorder = None
+    head_dim = graphs.model.config.kv_channels
+    assert attention.cudnn_attention_usable(graphs.device, torch.bfloat16, head_dim)  # probed before counting
+    monkeypatch.setattr(attention, "_causal_sdpa", counted)
+    for engine in (graphs, eager):
+        for slot in range(4):
+            randomize_slot(engine, slot, X, seed=40 + slot)
+    rng = np.random.default_rng(5)
+    calls_of = [_batch(rng, (1, CUDNN_MIN_TOKENS)), _batch(rng, (2, CUDNN_MIN_TOKENS))]
+    assert StepShape.of([CUDNN_MIN_TOKENS], [X]).one_document
+    _assert_steps_alike(graphs, eager, calls_of)
+    assert graphs.step_graphs.recorded == 1 and graphs.step_graphs.replays == 2
+    layers = len(graphs.model.decoder.layers)
+    # eager: 2 steps; graphs: 2 warm-ups and the capture, each forward once per layer
+    assert calls == [True] * layers * 5
