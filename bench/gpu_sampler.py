@@ -299,7 +299,7 @@ class Bench(BenchRun):
         from services.sampler import decode_ops as ops
 
         window = 256
-        for batch, n_adapters in ((1, 1), (8, 8), (64, 8), (64, 0)):
+        for batch, n_adapters in ((1, 1), (8, 1), (8, 8), (64, 8), (64, 0)):
             inputs = engine._inputs
             inputs[0, :batch] = torch.tensor(self.tokens(3, batch), device="cuda")
             inputs[1, :batch] = window - 8
