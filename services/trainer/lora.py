@@ -464,7 +464,12 @@ class SlotAdapter(nn.Module):
             out = self._grouped(rows, region)
         else:
             out = self._per_segment(rows, region)
-        return base + out.unsqueeze(1).to(base.dtype)  # [T, 1, out]
+        # Added as [T, out] and viewed back, as the one-slot path does: the gradient that reaches
+        # ``base`` then has the canonical strides of [T, 1, out]. The incoming gradient's size-1
+        # dimension may carry any stride (the output layer's, through GPTModel's transpose to
+        # [1, T, vocab]), and megatron's backward would then multiply it by the weight as a
+        # batched matmul over every token (the weight broadcast: over a second per step at 8B).
+        return (base.reshape(rows.shape[0], -1) + out.to(base.dtype)).view_as(base)  # [T, 1, out]
 
     def _grouped(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Both factors as grouped matmuls over the segments (one kernel each).

@@ -476,6 +476,43 @@ def test_what_a_step_graph_records_waits_for_nothing_on_the_host(qwen_dir: Path)
         assert audit.found == [], audit.found
 
 
+class BroadcastMatmuls(TorchDispatchMode):
+    """Records every batched matmul one of whose operands is broadcast over the batch (a batch
+    stride of 0): a weight multiplied token by token instead of as one matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[tuple[int, ...], ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket is torch.ops.aten.bmm and any(a.stride(0) == 0 and a.shape[0] > 1 for a in args[:2]):
+            self.found.append(tuple(tuple(a.shape) for a in args[:2]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-segment", "grouped"])
+def test_no_step_multiplies_a_weight_token_by_token(
+    pair: tuple[TrainerEngine, TrainerEngine], stacked: bool
+) -> None:
+    """Plain and static steps of one slot and of three: no backward multiplies a weight by the
+    tokens' gradients as a batched matmul with the weight broadcast over the tokens (what
+    megatron's output layer does when the gradient it gets is not laid out as one matrix)."""
+    _reset(pair)
+    rng = np.random.default_rng(12)
+    batches = [_batch(rng, (1, 40), (1, 9)), _batch(rng, (2, 7), (0, 12), (1, 30))]
+    for engine in pair:
+        engine.pool.routing.stacked = stacked
+        try:
+            for batch in batches:
+                with BroadcastMatmuls() as audit:
+                    engine.forward_backward(batch, "cross_entropy")
+                assert audit.found == [], audit.found
+                for slot in range(3):
+                    engine.discard_grads(slot)
+        finally:
+            engine.pool.routing.stacked = False
+
+
 # ---------------------------------------------------------------- CUDA: recorded graphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -525,7 +562,8 @@ def test_cuda_a_one_document_step_graph_records_cudnn_attention_and_replays_bit_
     assert graphs.step_graphs is not None and eager.step_graphs is not None
     eager.step_graphs.recorder = None
     head_dim = graphs.model.config.kv_channels
-    assert attention.cudnn_attention_usable(graphs.device, torch.bfloat16, head_dim)  # probed before counting
+    device = torch.device("cuda", torch.cuda.current_device())  # the key the layers' probe takes
+    assert attention.cudnn_attention_usable(device, torch.bfloat16, head_dim)  # probed before counting
     monkeypatch.setattr(attention, "_causal_sdpa", counted)
     for engine in (graphs, eager):
         for slot in range(4):
