@@ -15,8 +15,8 @@ and recorded, the next section still runs):
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
                vocab-parallel CE); the main rows on the engine's default attention
-               (engine.resolve_backend: varlen_flash_cudnn on CUDA), with and without step
-               graphs, other backends on the 4k batches (varlen_flash on the one-document 4k
+               (engine.resolve_backend: varlen_flash_cudnn on CUDA) and its step graphs
+               (the CUDA default), the batches of at most 4k tokens again eagerly, other backends on the 4k batches (varlen_flash on the one-document 4k
                and 8k batches, where it differs); torch.profiler tables of 4x1024, and of
                16x256 for one tenant and for eight
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots
@@ -416,21 +416,20 @@ class Bench(BenchRun):
                 continue
             run(name, doc_len, docs, tenants, backend)
 
-        # the workloads of at most 4,096 tokens as static steps replayed from CUDA graphs
-        # (step_graphs.py): one tenant, and 16x256 of 8 tenants (the grouped matmuls)
-        engine.step_graphs = engine.new_step_graphs()
-        if engine.step_graphs is not None:
-            # 1x4096 last: its recording is the only one of cuDNN's attention, whose failure would
-            # leave every later static step eager
-            for name in ("1x1024", "2x1024", "4x1024", "16x256", "16x256 8 tenants", "1x4096"):
-                if self.fits(name) and self.time_left() > self.reserve_s:
-                    run(*by_name[name], label=f"{backend} step-graphs")
-            graphs = engine.step_graphs
-            self.results.put(
-                "engine", "step_graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
-            )
-            self.log("step graphs", {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays})
-        engine.step_graphs = None
+        # The main rows are the engine's default: on CUDA, a step of at most
+        # step_graph_max_tokens replays CUDA graphs recorded per shape (step_graphs.py; each
+        # shape's first timed call is a warm-up, which records it). The same workloads again
+        # run eagerly ("<backend> eager"), as does everything after them.
+        graphs = engine.step_graphs
+        if graphs is not None:
+            counts = {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
+            self.results.put("engine", "step_graphs", counts)
+            self.log("step graphs", counts)
+            engine.step_graphs = None
+            limit = engine.config.step_graph_max_tokens
+            for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
+                if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
+                    run(name, doc_len, docs, tenants, label=f"{backend} eager")
 
         default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():

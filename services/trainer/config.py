@@ -32,10 +32,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     fused_cross_entropy: bool | None = None
     """The chunked fused linear cross-entropy (fused_ce.py): on, off, or unset: on CUDA for a
     forward whose unfused logits would pass engine.UNFUSED_LOGITS_BYTES, off on CPU."""
-    step_graphs: bool = False
+    step_graphs: bool | None = None
     """``forward_backward`` calls of at most ``step_graph_max_tokens`` (padded) tokens, whose models
     train the same modules, run at static shapes, replayed as CUDA graphs on CUDA
-    (services/trainer/step_graphs.py; TP=1)."""
+    (services/trainer/step_graphs.py; TP=1): on, off, or unset: on CUDA, off on CPU."""
     step_graph_max_tokens: int = 4096
     """The largest step recorded; the recordings keep the largest one's activations reserved."""
     heartbeat_s: float = 5.0

@@ -68,8 +68,9 @@ class EngineConfig:
     fused_cross_entropy: bool | None = None  # None: by size on CUDA, off on CPU (see resolve_fused_ce)
     # Steps of at most step_graph_max_tokens (padded) whose slots train the same modules run at
     # static shapes, replayed as CUDA graphs on CUDA (step_graphs.py); TP=1 with the varlen_flash,
-    # varlen_flash_cudnn or sdpa_per_document backend
-    step_graphs: bool = False
+    # varlen_flash_cudnn or sdpa_per_document backend. None: on CUDA, off on CPU (where a static
+    # step is only padding)
+    step_graphs: bool | None = None
     step_graph_max_tokens: int = 4096
 
 
@@ -140,7 +141,8 @@ class TrainerEngine:
         self._instance = uuid.uuid4().hex
         self._changes = 0
         self._versions: dict[int, str] = {}
-        self.step_graphs = self.new_step_graphs() if config.step_graphs else None
+        graphed = config.step_graphs if config.step_graphs is not None else self.device.type == "cuda"
+        self.step_graphs = self.new_step_graphs() if graphed else None
         self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
         # a save's copy of its slot, on CUDA (state/checkpoints.py)
         self.save_buffers = slot_state.PinnedPool() if self.device.type == "cuda" else None
