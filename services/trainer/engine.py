@@ -71,7 +71,7 @@ class EngineConfig:
     # varlen_flash_cudnn or sdpa_per_document backend. None: on CUDA, off on CPU (where a static
     # step is only padding)
     step_graphs: bool | None = None
-    step_graph_max_tokens: int = 4096
+    step_graph_max_tokens: int = 2048  # see TrainerConfig.step_graph_max_tokens
 
 
 def resolve_backend(name: str, device: str) -> str:
