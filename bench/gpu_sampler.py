@@ -343,7 +343,7 @@ class Bench(BenchRun):
                 self.log(f"   {name:28s} {g['count']:7.0f} kernels {g['ms']:8.3f} ms")
             variants = []  # (decode_ops setting, the other choice, label), each timed in a graph of its own
             if batch <= ops.GROUP_ROWS and span != 0:  # the expand kernel's columns per program
-                setting = "SMALL_CHUNK" if span == 1 else "SMALL_CHUNK_SLOTS"
+                setting = "SMALL_CHUNK" if batch == 1 else "SMALL_CHUNK_SLOTS"
                 other = 128 if getattr(ops, setting) != 128 else 1024
                 variants.append((setting, other, f"expand chunk {other}"))
             if batch <= ops.FUSED_EXPAND_ROWS and span != 0:  # q/k/v and gate/up terms in their own kernels

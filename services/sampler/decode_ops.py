@@ -56,13 +56,13 @@ SPLIT = 64
 GROUP_ROWS = 16
 """Rows of one slot that the LoRA expand kernel multiplies at once (a tile)."""
 SMALL_CHUNK = 1024
-"""Output columns per program of the LoRA expand kernel in a step of at most ``GROUP_ROWS`` rows
-whose slot span is one slot (larger steps take up to 1024). Measured on an H200 at batch 1 against
-128 columns: 5.77 against 5.88 ms per replayed step."""
+"""Output columns per program of the LoRA expand kernel in a step of one row (larger steps take
+up to 1024). Measured on an H200 at batch 1 against 128 columns: 5.83 against 5.87 ms per
+replayed step (``bench/gpu_sampler.py``'s profile times the other choice)."""
 SMALL_CHUNK_SLOTS = 128
-"""The same for a step of at most ``GROUP_ROWS`` rows over several slots: more, shorter programs.
-Measured on an H200 at batch 8 with 8 adapters against 1024 columns: 6.14 against 6.31 ms per
-replayed step (``bench/gpu_sampler.py``'s profile times the other choice of each)."""
+"""The same for a step of 2 to ``GROUP_ROWS`` rows, of one slot or several: more, shorter
+programs. Measured on an H200 at batch 8 against 1024 columns: 6.08 against 6.28 ms per replayed
+step with one adapter, 6.28 against 6.46 with 8."""
 ROW_PROGRAMS = 4
 """Programs sharing one slot's tiles (per slot and block of the LoRA kernels): one slot's many rows
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:
@@ -483,7 +483,7 @@ def add_lora(
     order, starts = groups if groups is not None else group_rows(slots, n_slots)
     # Each slot's rows in tiles of GROUP_ROWS, spread over up to ROW_PROGRAMS programs per (slot, block)
     programs = min(ROW_PROGRAMS, triton.cdiv(nrows, GROUP_ROWS))
-    chunk = (SMALL_CHUNK if n_slots == 1 else SMALL_CHUNK_SLOTS) if nrows <= GROUP_ROWS else 1024
+    chunk = (SMALL_CHUNK if nrows == 1 else SMALL_CHUNK_SLOTS) if nrows <= GROUP_ROWS else 1024
     for size in sizes[:-1]:  # a chunk never spans two members (the last one may end short)
         chunk = min(chunk, _pow2_divisor(size, 1024))
     chunk = min(chunk, triton.next_power_of_2(sizes[-1]))

@@ -241,11 +241,6 @@ class SlotRouting:
                 scale=scales[0] if len(set(scales)) == 1 else None,
                 identity=source == list(range(len(source))),
                 first_slot=real_slots[0] if consecutive else None,
-                bounds=(
-                    tuple((seg.start, seg.end) for seg in self.segments)
-                    if len(self.segments) <= SEGMENT_ADDMM_MAX
-                    else None
-                ),
             )
         return self._groups[key]
 
@@ -287,7 +282,6 @@ class GroupLayout:
     scale: float | None  # the real groups' one alpha/rank where they share it
     identity: bool = False  # source is 0..G-1: the groups' weights are the first G compute rows
     first_slot: int | None = None  # the real groups' slots are this one and the next ones, in order
-    bounds: tuple[tuple[int, int], ...] | None = None  # each group's rows, where known on the host
 
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -483,9 +477,9 @@ class SlotAdapter(nn.Module):
         self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor], base: torch.Tensor
     ) -> torch.Tensor:
         """``base`` ([T, out]) plus the LoRA term, both factors as grouped matmuls over the
-        segments (one kernel each); or, where the segments' rows are known on the host
-        (``GroupLayout.bounds``), ``B``'s factor as one ``addmm`` per segment, which adds onto
-        ``base`` in its epilogue (``_SegmentAddmm``).
+        segments (one kernel each; the sum a separate addition: ``torch._grouped_mm`` has no
+        epilogue for it, and one ``addmm`` per segment, measured on the H200 at 16x256 of 8
+        tenants, cost the host more launches than the addition costs the GPU).
 
         Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
         zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
@@ -539,8 +533,6 @@ class SlotAdapter(nn.Module):
         a = _ToRows.apply(self.lora_A, a, a_sink)
         b = _ToRows.apply(self.lora_B, b, b_sink)
         h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
-        if layout.bounds is not None and h.dtype == base.dtype:
-            return _SegmentAddmm.apply(base, h, b, layout.bounds, layout.offsets)
         return base + torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets).to(base.dtype)  # [T, out]
 
     def _per_segment(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -590,48 +582,6 @@ class SlotTensor:
 
 ROW_ALIGN = 64
 """Every entry of a ``PooledRows`` row starts at a multiple of this many floats (256 bytes)."""
-
-
-class _SegmentAddmm(torch.autograd.Function):
-    """``base + h_g B_gᵀ`` for each segment ``g`` of the packed rows: the forward one ``addmm`` per
-    segment, whose epilogue adds ``base`` (no ``[T, out]`` LoRA term is written and read back for a
-    separate addition); the backward two grouped matmuls, as ``torch._grouped_mm``'s own.
-
-    ``base [T, out]``, ``h [T, w]``, ``b [G, out, w]``; ``bounds``: each segment's (start, end)
-    on the host; ``offsets``: their ends on the device. Segment ``g`` reads only its own rows
-    of ``h`` and its own ``B``, as the grouped matmul does."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        base: torch.Tensor,
-        h: torch.Tensor,
-        b: torch.Tensor,
-        bounds: tuple[tuple[int, int], ...],
-        offsets: torch.Tensor,
-    ) -> torch.Tensor:
-        assert bounds[0][0] == 0 and bounds[-1][1] == base.shape[0], "the segments cover every row"
-        out = torch.empty_like(base)
-        for g, (start, end) in enumerate(bounds):
-            torch.addmm(base[start:end], h[start:end], b[g].t(), out=out[start:end])
-        ctx.save_for_backward(h, b)
-        ctx.offsets = offsets
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        h, b = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_h = torch._grouped_mm(grad, b, offs=ctx.offsets)  # [T, w]: each segment's grad @ B_g
-        grad_b = torch._grouped_mm(grad.t(), h, offs=ctx.offsets)  # [G, out, w]: grad_gᵀ @ h_g
-        return grad, grad_h, grad_b, None, None
-
-
-SEGMENT_ADDMM_MAX = 8
-"""Up to this many segments, the grouped LoRA path multiplies ``B`` by one ``addmm`` per segment
-(``_SegmentAddmm``): at 16x256 of 8 tenants on the H200 the separate addition of the grouped
-matmul's ``[T, out]`` output took 9 ms of a 308 ms step. Beyond, the launches would cost the host
-more: one grouped matmul and an addition."""
 
 
 class _ToRows(torch.autograd.Function):
