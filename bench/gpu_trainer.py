@@ -16,7 +16,8 @@ and recorded, the next section still runs):
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
                vocab-parallel CE); the main rows on the engine's default attention
                (engine.resolve_backend: varlen_flash_cudnn on CUDA) and its step graphs
-               (the CUDA default), the batches of at most 4k tokens again eagerly, other backends on the 4k batches (varlen_flash on the one-document 4k
+               (the CUDA default), the batches within the step graphs' limit again eagerly,
+               other backends on the 4k batches (varlen_flash on the one-document 4k
                and 8k batches, where it differs); torch.profiler tables of 4x1024, and of
                16x256 for one tenant and for eight
     optimizer  optim_step latency: 1 and 8 slots of the engine's pool, then 1, 8 and 64 slots

@@ -22,8 +22,8 @@ a shape of its own (``one_document``): its ``L_b`` is that document's length, so
 ``varlen_flash_cudnn`` records cuDNN's attention for it, as the plain engine runs it. The slots,
 their segments' ends and their ``alpha/rank`` are device tensors (``lora.StaticRouting``), so one
 recording serves any slots of the same count, largest rank and modules: ``StepShape`` is the
-recording's key. One slot takes the
-one-slot LoRA path, several the grouped matmuls, as in the plain engine on CUDA.
+recording's key. One slot takes the one-slot LoRA path, several the grouped matmuls, as in the
+plain engine on CUDA.
 
 Costs: a new shape runs two eager steps on a side stream (with the slot's gradients restored
 after them), then records both graphs; later steps of the shape replay them. Every recording
