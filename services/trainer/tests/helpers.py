@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
+from services.trainer import attention
 from services.trainer.engine import DatumInput, LoraConfig, TrainerEngine
 from services.trainer.lora import lora_scaling
 from services.trainer.peft_export import export_peft
@@ -21,6 +23,20 @@ from services.trainer.slot_state import SlotState
 from tests.numerics import U32, ChainShape, gamma, logit_magnitude, logprob_magnitude
 
 VOCAB = 2048
+
+
+def record_causal_sdpa(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on each call of ``attention._causal_sdpa`` (one document's dense causal attention)
+    appends its ``cudnn`` flag to the returned list, then runs as before."""
+    calls: list[bool] = []
+    causal = attention._causal_sdpa
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
+        calls.append(cudnn)
+        return causal(q, k, v, scale, cudnn=cudnn)
+
+    monkeypatch.setattr(attention, "_causal_sdpa", recorded)
+    return calls
 
 
 def random_tokens(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ from services.trainer.attention import (
     one_long_document,
 )
 from services.trainer.engine import DatumInput, EngineConfig, LoraConfig, TrainerEngine, resolve_backend
-from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens
+from services.trainer.tests.helpers import ReferenceLoRAModel, random_tokens, record_causal_sdpa
 from tests.numerics import U32, U64, assert_within, attention_bound
 
 pytestmark = pytest.mark.numerics  # also run under other thread counts and CPU paths (tests/infra)
@@ -210,16 +210,8 @@ def test_cuda_a_long_one_document_stream_runs_through_cudnn_within_bf16_error(
     query heads of 128, 8 key/value groups, as Qwen3-8B): cuDNN is usable on this GPU, the stream
     goes through it (one call of the cuDNN path), and its bf16 output and q/k/v gradients are
     within bf16 error of the fp32 reference."""
-    from services.trainer import attention
-
     assert cudnn_attention_usable(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 128)
-    cudnn_calls: list[bool] = []
-
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
-        cudnn_calls.append(cudnn)
-        return _causal_sdpa(q, k, v, scale, cudnn=cudnn)
-
-    monkeypatch.setattr(attention, "_causal_sdpa", counted)
+    cudnn_calls = record_causal_sdpa(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     cfg = _cfg(32, 8, 128)
     packed = _Packed([CUDNN_MIN_TOKENS], "cuda")

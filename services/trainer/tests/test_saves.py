@@ -80,9 +80,8 @@ def test_a_held_write_delays_only_later_saves_of_its_own_model(
     try:
         asyncio.run(main())
     finally:
-        release(
-            hold, faults
-        )  # a failed assertion must not leave a writer thread held (the process could not exit)
+        # a failed assertion must not leave a writer thread held (the process could not exit)
+        release(hold, faults)
     assert fired(hold, faults)
     assert handed == ["n:u3", "m:u1", "m:u2"]
     assert complete == {"n:u3": True, "m:u1": True, "m:u2": True}, "a save was handed over before its files"

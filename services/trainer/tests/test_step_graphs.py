@@ -30,7 +30,7 @@ from services.trainer.attention import (
 )
 from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
 from services.trainer.step_graphs import StepShape
-from services.trainer.tests.helpers import ce_datum, randomize_slot
+from services.trainer.tests.helpers import ce_datum, randomize_slot, record_causal_sdpa
 
 X = LoraConfig(rank=4, seed=3)
 Z = LoraConfig(rank=8, seed=4)
@@ -162,7 +162,7 @@ def test_a_static_step_gives_the_plain_steps_results_within_rounding_and_touches
     _assert_near(s_grads, p_grads, "gradients")
 
 
-def test_only_a_static_step_of_one_unpadded_document_counts_as_one_long_document(
+def test_static_steps_pass_an_exact_max_seqlen_only_for_one_unpadded_document(
     pair: tuple[TrainerEngine, TrainerEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A static step's max_seqlen is its rounded L_b, which can equal the stream's length while
@@ -551,20 +551,13 @@ def test_cuda_a_one_document_step_graph_records_cudnn_attention_and_replays_bit_
     bit, with an optimizer step between two of them."""
     from services.trainer import attention
 
-    calls: list[bool] = []
-    causal = attention._causal_sdpa
-
-    def counted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn: bool) -> torch.Tensor:
-        calls.append(cudnn)
-        return causal(q, k, v, scale, cudnn=cudnn)
-
     graphs, eager = _engine(qwen_dir, True, "cuda"), _engine(qwen_dir, True, "cuda")
     assert graphs.step_graphs is not None and eager.step_graphs is not None
     eager.step_graphs.recorder = None
     head_dim = graphs.model.config.kv_channels
     device = torch.device("cuda", torch.cuda.current_device())  # the key the layers' probe takes
     assert attention.cudnn_attention_usable(device, torch.bfloat16, head_dim)  # probed before counting
-    monkeypatch.setattr(attention, "_causal_sdpa", counted)
+    calls = record_causal_sdpa(monkeypatch)
     for engine in (graphs, eager):
         for slot in range(4):
             randomize_slot(engine, slot, X, seed=40 + slot)
