@@ -346,6 +346,9 @@ class Bench(BenchRun):
                 setting = "SMALL_CHUNK" if batch == 1 else "SMALL_CHUNK_SLOTS"
                 other = 128 if getattr(ops, setting) != 128 else 1024
                 variants.append((setting, other, f"expand chunk {other}"))
+            if batch <= ops.FUSED_EXPAND_ROWS and span != 0:  # columns per program of silu · up with LoRA
+                other = 256 if ops.SILU_LORA_BLOCK != 256 else 64
+                variants.append(("SILU_LORA_BLOCK", other, f"silu · up block {other}"))
             if batch <= ops.FUSED_EXPAND_ROWS and span != 0:  # q/k/v and gate/up terms in their own kernels
                 variants.append(("FUSED_EXPAND_ROWS", 0, "q/k/v and gate/up expand kernels"))
             key = (batch, window, span)

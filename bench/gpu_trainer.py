@@ -300,6 +300,11 @@ class Bench(BenchRun):
                     device=self.device.type,
                     dtype=self.dtype,
                     attention_backend=backend,
+                    **(
+                        {}
+                        if self.args.step_graph_max_tokens is None
+                        else {"step_graph_max_tokens": self.args.step_graph_max_tokens}
+                    ),
                 )
             )
             self.sync()
@@ -978,6 +983,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="skip workloads of more tokens (a card of less memory)"
+    )
+    parser.add_argument(
+        "--step-graph-max-tokens",
+        type=int,
+        default=None,
+        help="the engine's step_graph_max_tokens (default: the engine's own, TINKERD_TRAINER_STEP_GRAPH_MAX_TOKENS)",
     )
     args = parser.parse_args(argv)
     bench = Bench(args)

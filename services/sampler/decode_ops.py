@@ -68,6 +68,12 @@ ROW_PROGRAMS = 4
 are spread over them, and a slot with one tile leaves the others idle (1 and 4 measured on an H200:
 docs/benchmarks.md, "The CUDA engine: decode steps")."""
 
+SILU_LORA_BLOCK = 64
+"""Columns per program of the ``silu · up`` kernel where it adds the gate/up LoRA terms (a
+``(block, rank)`` tile of each of the row's two ``B``s per program; 1,024 without LoRA). At
+batch 1 and 256 columns, Qwen3-8B's 12,288 columns made 48 programs on 132 SMs, each reading
+32 KB of ``B``: 5.8 µs per layer. ``bench/gpu_sampler.py``'s profile times 256 beside it."""
+
 FUSED_EXPAND_ROWS = 16
 """Steps of at most this many rows add the q/k/v and gate/up LoRA terms inside the kernels that
 read those outputs next (``RowLora``); 0 turns it off (``bench/gpu_sampler.py``'s profile times
@@ -578,7 +584,7 @@ def silu_mul(gu: torch.Tensor, lora: RowLora | None = None) -> torch.Tensor:
     b = gu.shape[0]
     n = (lora.out if lora is not None else gu.shape[1]) // 2
     out = torch.empty(b, n, device=gu.device, dtype=gu.dtype)
-    block = 256 if lora is not None else 1024  # a (block, rank) tile of B per program
+    block = SILU_LORA_BLOCK if lora is not None else 1024
     lora_b, row_slots, _, r_total, rank = _row_lora_args(lora, gu)
     kernel: Any = _silu_mul_kernel
     kernel[(b, triton.cdiv(n, block))](

@@ -83,10 +83,11 @@ def resolve_backend(name: str, device: str) -> str:
     return "varlen_flash_cudnn" if device == "cuda" else "sdpa_per_document"
 
 
-# The default loss path on CUDA: megatron's output layer + vocab-parallel cross-entropy while a
-# forward's [tokens x vocab/tp] fp32 logits stay within this many bytes (14,134 tokens at Qwen3's
+# The default loss path on CUDA: the output layer + ``vocab.target_logprobs`` while a forward's
+# [tokens x vocab/tp] logits, counted as fp32, stay within this many bytes (14,134 tokens at Qwen3's
 # vocabulary), the chunked fused linear cross-entropy (fused_ce.py) beyond, where its memory saving
-# grows (about 5 GiB at 8,192 tokens). On the H200 the unfused path measured 3-4 % faster from 4,096
+# grows. (At TP=1 on CUDA the unfused path holds the logits and their gradient in the model's
+# dtype, no fp32 copy: ``vocab``'s kernels.) On the H200 the unfused path measured 3-4 % faster from 4,096
 # to 8,192 packed tokens, 16x256 aside (1 % slower) (docs/benchmarks.md, "The loss path").
 UNFUSED_LOGITS_BYTES = 8 << 30
 

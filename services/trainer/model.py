@@ -4,7 +4,8 @@ Supported families: Qwen3 dense (qk RMSNorm, GQA, no bias) and Llama-3 dense (GQ
 optional ``llama3`` RoPE scaling).  On CPU the layer spec uses megatron's local modules
 (torch RMSNorm, ``ColumnParallelLinear``/``RowParallelLinear``) and fp32; on GPU it uses the
 Transformer Engine linears and norms when ``transformer_engine`` imports, in bf16.  Core
-attention is always one of ``attention.ATTENTION_BACKENDS`` (packed, per-document causal).
+attention is always one of ``attention.ATTENTION_BACKENDS`` (packed, per-document causal), and
+the MLP's activation ``swiglu.SwiGLU`` (one Triton kernel per direction on CUDA).
 
 Invariant: every base parameter is frozen (``requires_grad=False``) and holds this rank's
 shard of the HF weights; the module tree and parameter names are exactly megatron's (the
@@ -34,6 +35,7 @@ from services.trainer.convert import (
 )
 from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
 from services.trainer.shims import apply_cpu_shims
+from services.trainer.swiglu import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ def transformer_config(cfg: Any, shape: ModelShape, *, tp: int, dtype: torch.dty
         perform_initialization=False,  # every weight is overwritten from the HF checkpoint
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
+        # The MLP builds its activation from the layer spec's module (swiglu.SwiGLU): megatron
+        # gates that on this flag, which does not itself need transformer-engine.
+        use_te_activation_func=True,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -153,7 +158,10 @@ def layer_spec(attention_backend: str, qk_norm: bool, use_te: bool) -> Any:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row, activation_func=SwiGLU),
+            ),
             mlp_bda=get_bias_dropout_add,
         ),
     )

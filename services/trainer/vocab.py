@@ -10,14 +10,35 @@ the logits instead and computes, per TP rank holding vocabulary rows [start, sta
 
 Memory: one [T, V/tp] fp32 temporary (the exponentials), as the fused cross-entropy has, not
 K of them.
+
+On CUDA at TP=1 the same quantities come from one Triton kernel per direction
+(``_TargetLogprobs``): the forward reads each row of logits once (a running max and sum of
+exponentials in fp32) and keeps only ``lse``; the backward reads the row again and writes its
+gradient, ``g_k`` at each target minus ``(sum_k g_k) * softmax``, rounded once to the logits'
+dtype. The eager path instead makes an fp32 copy of the logits and about six more passes over
+``[T, V]`` fp32 tensors (8 GB of traffic per 4,096 tokens of a 152k vocabulary). Both compute in
+fp32 from the same values; they differ in the order of the sum of exponentials (fp32 rounding)
+and in the gradient's one rounding (the eager path rounds an fp32 gradient). A NaN or infinite
+logit makes its row's log-probabilities NaN on both.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from services.trainer.parallel import tp_rank, tp_size
+
+try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+BLOCK = 2048
+"""Vocabulary columns per iteration of one row's program."""
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -41,6 +62,8 @@ def target_logprobs(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.
     Returns:
         [T, K] fp32 log-probabilities, differentiable in ``local_logits``.
     """
+    if kernel_supported(local_logits):
+        return _TargetLogprobs.apply(local_logits, targets)
     logits = local_logits.float()  # [T, Vl]
     shard = logits.shape[-1]
     start = tp_rank() * shard
@@ -55,3 +78,94 @@ def target_logprobs(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.
     inside = (local >= 0) & (local < shard)
     picked = logits.gather(-1, local.clamp(0, shard - 1)) * inside  # [T, K]
     return _all_reduce_sum(picked) - lse[:, None]  # [T, K]
+
+
+def kernel_supported(local_logits: torch.Tensor) -> bool:
+    """Whether ``_TargetLogprobs`` takes these logits: CUDA with Triton, TP=1, a float dtype."""
+    return (
+        triton is not None
+        and local_logits.is_cuda
+        and tp_size() == 1
+        and local_logits.dim() == 2
+        and local_logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """``log_softmax(logits)[t, targets[t, k]]`` in fp32, saving the logits (already alive) and
+    ``lse [T]``. A target outside ``[0, V)`` reads 0 (as the eager path's mask does)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        targets = targets.contiguous()
+        rows, vocab = logits.shape
+        k = targets.shape[1]
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        out = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
+        kernel: Any = _forward_kernel
+        kernel[(rows,)](logits, targets, lse, out, vocab, logits.stride(0), k, BLOCK=BLOCK, num_warps=8)
+        ctx.save_for_backward(logits, targets, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        rows, vocab = logits.shape
+        grad = grad.float().contiguous()
+        out = torch.empty(rows, vocab, dtype=logits.dtype, device=logits.device)
+        kernel: Any = _backward_kernel
+        k = targets.shape[1]
+        kernel[(rows,)](
+            logits, targets, lse, grad, out, vocab, logits.stride(0), k,
+            BLOCK=BLOCK, K_P2=triton.next_power_of_2(k), num_warps=8,
+        )  # fmt: skip
+        return out, None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _forward_kernel(x_ptr, t_ptr, lse_ptr, out_ptr, vocab, x_stride, k, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        cols = tl.arange(0, BLOCK)
+        # per lane: the largest logit seen and the sum of exponentials relative to it
+        peak = tl.full([BLOCK], -float("inf"), tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(x_row + start + cols, mask=start + cols < vocab, other=-float("inf")).to(tl.float32)
+            new_peak = tl.maximum(peak, x)  # a NaN logit is not the peak, but its exponential is NaN
+            empty = new_peak == -float("inf")  # nothing but -inf in this lane yet: its sum stays 0
+            rescale = tl.where(empty, 0.0, tl.exp(peak - new_peak))
+            total = total * rescale + tl.where(empty, 0.0, tl.exp(x - new_peak))
+            peak = new_peak
+        row_peak = tl.max(peak, axis=0)
+        lane = tl.where(peak == -float("inf"), 0.0, total * tl.exp(peak - row_peak))
+        lse = row_peak + tl.log(tl.sum(lane, axis=0))
+        tl.store(lse_ptr + row, lse)
+        for j in range(0, k):
+            target = tl.load(t_ptr + row * k + j)
+            inside = (target >= 0) & (target < vocab)
+            picked = tl.load(x_row + tl.where(inside, target, 0)).to(tl.float32)
+            tl.store(out_ptr + row * k + j, tl.where(inside, picked, 0.0) - lse)
+
+    @triton.jit
+    def _backward_kernel(
+        x_ptr, t_ptr, lse_ptr, g_ptr, out_ptr, vocab, x_stride, k, BLOCK: tl.constexpr, K_P2: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        cols = tl.arange(0, BLOCK)
+        lse = tl.load(lse_ptr + row)
+        ks = tl.arange(0, K_P2)
+        weight = tl.sum(tl.load(g_ptr + row * k + ks, mask=ks < k, other=0.0), axis=0)  # sum_k g_k
+        for start in range(0, vocab, BLOCK):
+            at = start + cols
+            x = tl.load(x_row + at, mask=at < vocab, other=0.0).to(tl.float32)
+            d = -weight * tl.exp(x - lse)
+            for j in range(0, k):
+                target = tl.load(t_ptr + row * k + j)
+                d += tl.where(at == target, tl.load(g_ptr + row * k + j), 0.0)
+            tl.store(out_ptr + row * vocab + at, d.to(out_ptr.dtype.element_ty), mask=at < vocab)
