@@ -152,8 +152,9 @@ if triton is not None:
         g = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         u = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
         gf = g.to(tl.float32)
-        act = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf)).to(g.dtype)  # F.silu's expression and result
-        tl.store(out_ptr + row * n + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+        act = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf)).to(g.dtype, fp_downcast_rounding="rtne")  # F.silu's
+        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + row * n + cols, out, mask=mask)
 
     @triton.jit
     def _swiglu_backward_kernel(x_ptr, dy_ptr, dx_ptr, n, x_stride, dy_stride, BLOCK: tl.constexpr):
@@ -167,9 +168,9 @@ if triton is not None:
         gf = g.to(tl.float32)
         denominator = 1.0 + libdevice.exp(-gf)
         sig = tl.math.div_rn(1.0, denominator)
-        act = tl.math.div_rn(gf, denominator).to(g.dtype).to(tl.float32)  # the forward's rounded activation
-        d_act = (dy * u.to(tl.float32)).to(g.dtype).to(tl.float32)  # the product's gradient, rounded
+        act = tl.math.div_rn(gf, denominator).to(g.dtype, fp_downcast_rounding="rtne").to(tl.float32)  # as forward
+        d_act = (dy * u.to(tl.float32)).to(g.dtype, fp_downcast_rounding="rtne").to(tl.float32)  # rounded, as eager
         d_gate = d_act * sig * (1.0 + gf * (1.0 - sig))  # silu_backward
         d_up = dy * act
-        tl.store(dx_ptr + row * 2 * n + cols, d_gate.to(g.dtype), mask=mask)
-        tl.store(dx_ptr + row * 2 * n + n + cols, d_up.to(g.dtype), mask=mask)
+        tl.store(dx_ptr + row * 2 * n + cols, d_gate.to(g.dtype, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dx_ptr + row * 2 * n + n + cols, d_up.to(g.dtype, fp_downcast_rounding="rtne"), mask=mask)
