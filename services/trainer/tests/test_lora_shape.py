@@ -249,3 +249,38 @@ def test_cuda_the_grouped_lora_path_agrees_with_the_per_segment_path_within_bf16
         for name, grad in grads.items():
             bound = 0.03 * float(grad.abs().max())
             assert float((got_grads[slot][name] - grad).abs().max()) <= bound, (slot, name)
+
+
+def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_linear(
+    engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of one slot: each adapted linear whose input needs a gradient (all but the first
+    layer's qkv, whose input comes from the frozen embedding) runs as ``_AdaptedLinear``, forward
+    and backward once per step; a step of two slots, and a forward-only call, never do."""
+    from services.trainer import lora
+
+    calls: list[str] = []
+    forward, backward = lora._AdaptedLinear.forward, lora._AdaptedLinear.backward
+
+    def counted_forward(ctx: object, *args: object) -> object:
+        calls.append("forward")
+        return forward(ctx, *args)  # type: ignore[arg-type]
+
+    def counted_backward(ctx: object, g: torch.Tensor) -> object:
+        calls.append("backward")
+        return backward(ctx, g)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora._AdaptedLinear, "forward", staticmethod(counted_forward))
+    monkeypatch.setattr(lora._AdaptedLinear, "backward", staticmethod(counted_backward))
+    engine.init_slot(0, LoraConfig(rank=4, seed=1))
+    engine.init_slot(1, LoraConfig(rank=4, seed=2))
+    rng = np.random.default_rng(0)
+    needed = 4 * engine.shape.num_layers  # every adapted linear (and the output layer) but one
+    engine.forward_backward([ce_datum(rng, 0, 9), ce_datum(rng, 0, 5)], "cross_entropy")
+    assert calls.count("forward") == needed and calls.count("backward") == needed
+    calls.clear()
+    engine.forward_backward([ce_datum(rng, 0, 9), ce_datum(rng, 1, 5)], "cross_entropy")
+    engine.forward_backward([ce_datum(rng, 0, 9)], "cross_entropy", forward_only=True)
+    assert calls == []
+    for slot in (0, 1):
+        engine.discard_grads(slot)
