@@ -806,7 +806,7 @@ class AdapterPool(nn.Module):
         return module
 
     def attach(self, model: nn.Module) -> None:
-        """Register one forward hook per adapted linear of ``model``."""
+        """Register a forward pre-hook and a forward hook on each adapted linear of ``model``."""
         modules = dict(model.named_modules())
         for target in self.targets:
             adapter, module = self.adapter(target.path), modules[target.path]
