@@ -16,9 +16,10 @@ The kernels follow the eager arithmetic: the same fp32 expressions of the dtype'
 the forward rounds ``silu(gate)`` before the product (as ``F.silu`` returns it), the backward
 rounds ``dy * up`` before ``silu``'s derivative and computes ``dy * silu(gate)`` from the rounded
 activation. Only a compiler's choice to fuse a multiply-add can move an fp32 result by an ulp,
-so a value differs from the eager path's by at most one rounding step of the dtype. A probe at first use per device and dtype checks that on a small input (forward and
-backward, NaN and infinity where eager has them); where it fails, the eager path runs and the
-reason is logged once. ``services/trainer/tests/test_swiglu.py`` checks both paths.
+so a value differs from the eager path's by at most one rounding step of the dtype. A probe at
+first use per device and dtype checks that on a small input (forward and backward, NaN and
+infinity where eager has them); where it fails, the eager path runs and the reason is logged
+once. ``services/trainer/tests/test_swiglu.py`` checks both paths.
 """
 
 from __future__ import annotations
