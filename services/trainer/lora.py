@@ -79,6 +79,7 @@ from torch import nn
 from libs.contracts.common import LoraConfig
 from services.trainer.convert import ModelShape, ShardKind, fuse_glu, fuse_qkv, shard
 from services.trainer.parallel import tp_rank, tp_size
+from services.trainer.probes import KernelProbe
 
 LORA_ALPHA = 32.0
 
@@ -289,9 +290,6 @@ class GroupLayout:
     first_slot: int | None = None  # the real groups' slots are this one and the next ones, in order
 
 
-_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs here for ``x``'s device and dtype (checked once each).
 
@@ -299,24 +297,17 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     small forward and backward with uneven groups is tried once per (device type, dtype); where
     it raises or disagrees with the plain per-group products, the per-segment path is used.
     """
-    key = (x.device.type, x.dtype)
-    if key not in _GROUPED_OK:
-        _GROUPED_OK[key] = hasattr(torch, "_grouped_mm") and _probe_grouped_mm(x.device, x.dtype)
-    return _GROUPED_OK[key]
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 9):
+    if not hasattr(torch, "_grouped_mm") or (
+        x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9)
+    ):
         return False
-    try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
-            return _grouped_mm_agrees(device, dtype)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
+    return GROUPED_MM.usable(x.device.type, x.dtype)
 
 
-def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype) -> bool:
-    """A small grouped matmul, forward and backward, against the per-group products."""
+def _grouped_mm_mismatch(device_type: str, dtype: torch.dtype) -> str:
+    """Why ``torch._grouped_mm`` may not serve ("" where a small grouped matmul with an empty
+    group, forward and backward, agrees with the per-group products)."""
+    device = torch.device(device_type)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(13, 16, generator=gen).to(device, dtype).requires_grad_()
     w = torch.randn(3, 8, 16, generator=gen).to(device, dtype).requires_grad_()  # [G, r, in]
@@ -325,7 +316,12 @@ def _grouped_mm_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     y.backward(torch.ones_like(y))
     ref = torch.cat([x[:5] @ w[0].t(), x[5:13] @ w[2].t()])
     tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
-    return bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max())))
+    if not bool((y.float() - ref.float()).abs().max() <= tolerance * max(1.0, float(ref.float().abs().max()))):
+        return "differs from the per-group products"
+    return ""
+
+
+GROUPED_MM = KernelProbe("torch._grouped_mm", "one matmul per segment", _grouped_mm_mismatch)
 
 
 class SlotAdapter(nn.Module):

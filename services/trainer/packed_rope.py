@@ -27,20 +27,18 @@ on CUDA).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from services.trainer.attention import document_ids
+from services.trainer.probes import KernelProbe
 
 try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
-
-log = logging.getLogger(__name__)
 
 _cache: dict[str, Any] = {"key": None, "positions": None, "tables": None, "tables_key": None}
 _original: Any = None
@@ -77,13 +75,10 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float) -> tuple[to
     return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
-_FUSED_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
 def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool, mla: bool) -> bool:
     """Whether ``_FusedRope`` takes this call: CUDA, Triton, the full-width non-interleaved
-    rotation, and a kernel that proved at least as accurate as megatron's function on this device
-    and dtype (``_probe``, once each; otherwise megatron's own math runs)."""
+    rotation, and a kernel that proved at least as accurate as megatron's function on this device,
+    dtype and head size (``FUSED``, once each; otherwise megatron's own math runs)."""
     if not (
         triton is not None
         and t.is_cuda
@@ -95,36 +90,15 @@ def fused_rope_supported(t: torch.Tensor, freqs: torch.Tensor, rotary_interleave
         and (t.shape[-1] // 2) & (t.shape[-1] // 2 - 1) == 0  # a power of two halves
     ):
         return False
-    key = (t.device, t.dtype)
-    if key not in _FUSED_OK:
-        _FUSED_OK[key] = _probe(t.device, t.dtype, t.shape[-1])
-    return _FUSED_OK[key]
+    return FUSED.usable(t.device, t.dtype, t.shape[-1])
 
 
-def _probe(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
-    """The kernel against megatron's function on a small strided input, forward and backward:
-    True only where it compiles and no value of it is further from the exact rotation than
-    megatron's (else logged once, with why)."""
-    why = probe_mismatch(device, dtype, dim)
-    if why:
-        log.warning("RoPE runs megatron's elementwise path on %s %s: the fused kernel %s", device, dtype, why)
-    return not why
-
-
-def probe_mismatch(device: torch.device, dtype: torch.dtype, dim: int) -> str:
-    """Why the fused kernel may not serve this device and dtype ("" where, forward and backward,
-    each of its values is at least as close to the exact rotation as megatron's function's)."""
+def _mismatch(device: torch.device, dtype: torch.dtype, dim: int) -> str:
+    """Why the fused kernel may not serve this device, dtype and head size ("" where, on a small
+    strided input, forward and backward, each of its values is at least as close to the exact
+    rotation as megatron's function's)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
-            return _compare_with_grad(rope_utils, device, dtype, dim)
-    except Exception as exc:  # any failure to compile or run (Triton raises several types)
-        return f"failed: {type(exc).__name__}: {exc}"
-
-
-def _compare_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype, dim: int) -> str:
-    """``probe_mismatch``'s comparison, with autograd on."""
     gen = torch.Generator(device=device).manual_seed(0)
     tokens, heads = 37, 3
     x = torch.randn(tokens, heads + 2, dim, generator=gen, device=device).to(dtype)[:, :heads]
@@ -145,6 +119,9 @@ def _compare_with_grad(rope_utils: Any, device: torch.device, dtype: torch.dtype
         less_accurate("backward", got_grad, ref_grad, exact_rotation(grad, cos, sin, backward=True)),
     ]
     return "; ".join(part for part in parts if part)
+
+
+FUSED = KernelProbe("RoPE's Triton kernel", "megatron's elementwise path", _mismatch)
 
 
 def less_accurate(name: str, got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> str:

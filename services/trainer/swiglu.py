@@ -24,12 +24,13 @@ once. ``services/trainer/tests/test_swiglu.py`` checks both paths.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.trainer.probes import KernelProbe
 
 try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
     import triton
@@ -37,8 +38,6 @@ try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
-
-log = logging.getLogger(__name__)
 
 BLOCK = 1024
 """Columns of one row per program (a row of Qwen3-8B's MLP has 12,288)."""
@@ -62,42 +61,32 @@ class SwiGLU(nn.Module):
         return swiglu_eager(x)
 
 
-_FUSED_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
 def fused_supported(x: torch.Tensor) -> bool:
     """Whether the Triton kernels take ``x``: CUDA, Triton, an even last dim, and a probe that
     found them within one rounding step of the eager path on this device and dtype."""
     if triton is None or not x.is_cuda or x.shape[-1] % 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    key = (x.device, x.dtype)
-    if key not in _FUSED_OK:
-        why = probe_mismatch(x.device, x.dtype)
-        if why:
-            log.warning("SwiGLU runs megatron's eager path on %s %s: the fused kernel %s", x.device, x.dtype, why)
-        _FUSED_OK[key] = not why
-    return _FUSED_OK[key]
+    return FUSED.usable(x.device, x.dtype)
 
 
-def probe_mismatch(device: torch.device, dtype: torch.dtype) -> str:
+def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
     """Why the kernels may not serve this device and dtype ("" where forward and backward agree
     with the eager path to one rounding step of ``dtype``, non-finite values included)."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
-            gen = torch.Generator(device=device).manual_seed(0)
-            x = (4 * torch.randn(37, 2 * 1100, generator=gen, device=device)).to(dtype)
-            x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 90.0])
-            x[1, 1100:1104] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
-            grad = torch.randn(37, 1100, generator=gen, device=device).to(dtype)
-            got_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-            got, ref = _SwiGLUFunction.apply(got_x), swiglu_eager(ref_x)
-            got.backward(grad)
-            ref.backward(grad)
-            assert got_x.grad is not None and ref_x.grad is not None
-            parts = [beyond_one_step("forward", got, ref), beyond_one_step("backward", got_x.grad, ref_x.grad)]
-            return "; ".join(p for p in parts if p)
-    except Exception as exc:  # any failure to compile or run (Triton raises several types)
-        return f"failed: {type(exc).__name__}: {exc}"
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (4 * torch.randn(37, 2 * 1100, generator=gen, device=device)).to(dtype)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 90.0])
+    x[1, 1100:1104] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    grad = torch.randn(37, 1100, generator=gen, device=device).to(dtype)
+    got_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, ref = _SwiGLUFunction.apply(got_x), swiglu_eager(ref_x)
+    got.backward(grad)
+    ref.backward(grad)
+    assert got_x.grad is not None and ref_x.grad is not None
+    parts = [beyond_one_step("forward", got, ref), beyond_one_step("backward", got_x.grad, ref_x.grad)]
+    return "; ".join(p for p in parts if p)
+
+
+FUSED = KernelProbe("SwiGLU's Triton kernels", "megatron's eager path", _mismatch)
 
 
 def beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor) -> str:

@@ -24,21 +24,19 @@ logit makes its row's log-probabilities NaN on both.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from services.trainer.parallel import tp_rank, tp_size
+from services.trainer.probes import KernelProbe
 
 try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
-
-log = logging.getLogger(__name__)
 
 BLOCK = 2048
 """Vocabulary columns per iteration of one row's program."""
@@ -88,13 +86,10 @@ def _eager_target_logprobs(local_logits: torch.Tensor, targets: torch.Tensor) ->
     return _all_reduce_sum(picked) - lse[:, None]  # [T, K]
 
 
-_KERNEL_OK: dict[tuple[torch.device, torch.dtype], bool] = {}
-
-
 def kernel_supported(local_logits: torch.Tensor) -> bool:
     """Whether ``_TargetLogprobs`` takes these logits: CUDA with Triton, TP=1, a float dtype, and
     a probe at first use per device and dtype that found the kernels agreeing with the eager path
-    (``probe_mismatch``; otherwise the eager path runs, and why is logged once)."""
+    (``_mismatch``; otherwise the eager path runs, and why is logged once)."""
     if not (
         triton is not None
         and local_logits.is_cuda
@@ -103,45 +98,38 @@ def kernel_supported(local_logits: torch.Tensor) -> bool:
         and local_logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
     ):
         return False
-    key = (local_logits.device, local_logits.dtype)
-    if key not in _KERNEL_OK:
-        why = probe_mismatch(local_logits.device, local_logits.dtype)
-        if why:
-            log.warning("target_logprobs runs the eager path on %s %s: the kernel %s", *key, why)
-        _KERNEL_OK[key] = not why
-    return _KERNEL_OK[key]
+    return KERNELS.usable(local_logits.device, local_logits.dtype)
 
 
-def probe_mismatch(device: torch.device, dtype: torch.dtype) -> str:
+def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
     """Why the kernels may not serve this device and dtype: "" where, on 5 rows of 3,000 columns
     with 2 targets each (one row holding a NaN), the log-probabilities agree with the eager
     path's within 1e-4, the gradient within one rounding step of ``dtype`` (plus 1e-6 of the
     largest output gradient), and the NaN row is NaN in both."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad():  # the first call may be forward-only
-            gen = torch.Generator(device=device).manual_seed(0)
-            logits = (3 * torch.randn(5, 3000, generator=gen, device=device)).to(dtype)
-            logits[2, 17] = float("nan")
-            targets = torch.randint(0, 3000, (5, 2), generator=gen, device=device)
-            grad = torch.randn(5, 2, generator=gen, device=device)
-            got_x, ref_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-            got = _TargetLogprobs.apply(got_x, targets)
-            ref = _eager_target_logprobs(ref_x, targets)
-            got.backward(grad)
-            ref.backward(grad)
-            assert got_x.grad is not None and ref_x.grad is not None
-            rows = [0, 1, 3, 4]
-            if not (bool(got[2].isnan().all()) and bool(got_x.grad[2].isnan().all())):
-                return "does not make a row with a NaN logit NaN"
-            if float((got[rows] - ref[rows]).abs().max()) > 1e-4:
-                return "log-probabilities differ from the eager path's by more than 1e-4"
-            g, r = got_x.grad[rows].double(), ref_x.grad[rows].double()
-            slack = torch.finfo(dtype).eps * r.abs() + 1e-6 * float(grad.abs().max())
-            if not bool(((g - r).abs() <= slack).all()):
-                return "gradient differs from the eager path's by more than one rounding step"
-            return ""
-    except Exception as exc:  # any failure to compile or run (Triton raises several types)
-        return f"failed: {type(exc).__name__}: {exc}"
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (3 * torch.randn(5, 3000, generator=gen, device=device)).to(dtype)
+    logits[2, 17] = float("nan")
+    targets = torch.randint(0, 3000, (5, 2), generator=gen, device=device)
+    grad = torch.randn(5, 2, generator=gen, device=device)
+    got_x, ref_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = _TargetLogprobs.apply(got_x, targets)
+    ref = _eager_target_logprobs(ref_x, targets)
+    got.backward(grad)
+    ref.backward(grad)
+    assert got_x.grad is not None and ref_x.grad is not None
+    rows = [0, 1, 3, 4]
+    if not (bool(got[2].isnan().all()) and bool(got_x.grad[2].isnan().all())):
+        return "does not make a row with a NaN logit NaN"
+    if float((got[rows] - ref[rows]).detach().abs().max()) > 1e-4:
+        return "log-probabilities differ from the eager path's by more than 1e-4"
+    g, r = got_x.grad[rows].double(), ref_x.grad[rows].double()
+    slack = torch.finfo(dtype).eps * r.abs() + 1e-6 * float(grad.abs().max())
+    if not bool(((g - r).abs() <= slack).all()):
+        return "gradient differs from the eager path's by more than one rounding step"
+    return ""
+
+
+KERNELS = KernelProbe("target_logprobs' Triton kernels", "the eager path", _mismatch)
 
 
 class _TargetLogprobs(torch.autograd.Function):

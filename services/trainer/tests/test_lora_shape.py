@@ -209,10 +209,10 @@ def test_the_grouped_matmul_probe_answers_alike_inside_a_forward_only_call(monke
     so a forward-only first batch never turns the grouped path off for the process."""
     from services.trainer import lora
 
-    monkeypatch.setattr(lora, "_GROUPED_OK", {})
+    monkeypatch.setattr(lora.GROUPED_MM, "verdicts", {})
     with torch.inference_mode():
         assert lora.grouped_mm_supported(torch.zeros(1))
-    monkeypatch.setattr(lora, "_GROUPED_OK", {})
+    monkeypatch.setattr(lora.GROUPED_MM, "verdicts", {})
     with torch.no_grad():
         assert lora.grouped_mm_supported(torch.zeros(1))
 

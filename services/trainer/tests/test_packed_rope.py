@@ -66,7 +66,7 @@ def test_cuda_fused_rope_is_at_least_as_close_to_the_exact_rotation_as_megatron_
     value is at least as close to the float64 rotation of the same bf16 inputs and tables as
     megatron's per-document function's."""
     cu, t, grad, freqs = _documents("cuda")
-    assert packed_rope.probe_mismatch(t.device, torch.bfloat16, t.shape[-1]) == ""
+    assert packed_rope.FUSED.mismatch(t.device, torch.bfloat16, t.shape[-1]) == ""
     assert packed_rope.fused_rope_supported(t, freqs, False, False)
     got, ref, got_grad, ref_grad = _both(t, cu, freqs, grad)
     positions = packed_rope._positions(cu, t.shape[0], t.device)
@@ -105,7 +105,7 @@ def test_the_kernel_probe_accepts_inside_a_forward_only_call(monkeypatch: pytest
     mode) it still accepts the kernel on this device."""
     freqs = _freqs(64, 128, "cuda")
     for context in (torch.no_grad, torch.inference_mode):
-        monkeypatch.setattr(packed_rope, "_FUSED_OK", {})
+        monkeypatch.setattr(packed_rope.FUSED, "verdicts", {})
         with context():
             t = torch.zeros(8, 4, 128, device="cuda", dtype=torch.bfloat16)
             assert packed_rope.fused_rope_supported(t, freqs, False, False)
