@@ -14,7 +14,7 @@ and recorded, the next section still runs):
                the loss on the engine's default path, and every workload again through
                each loss path by name ("fused-ce" rows: the chunked fused linear
                cross-entropy, fused_ce.py; "unfused-ce" rows: the output layer +
-               vocab-parallel CE); the main rows on the engine's default attention
+               vocab.target_logprobs); the main rows on the engine's default attention
                (engine.resolve_backend: varlen_flash_cudnn on CUDA) and its step graphs
                (the CUDA default), the batches within the step graphs' limit again eagerly,
                other backends on the 4k batches (varlen_flash on the one-document 4k
@@ -374,7 +374,7 @@ class Bench(BenchRun):
         # The main rows take the engine's default loss path (engine.resolve_fused_ce: by size on
         # CUDA); rows labelled "<backend> fused-ce" / "<backend> unfused-ce" re-run every workload
         # with the chunked fused linear cross-entropy (services/trainer/fused_ce.py) / the output
-        # layer + megatron's vocab-parallel cross-entropy forced, on --cpu too.
+        # layer + vocab.target_logprobs forced, on --cpu too.
         engine.fused_ce = True  # for the probe below
         for slot in range(8):
             engine.init_slot(slot, LoraConfig(rank=LORA_RANK, seed=slot))

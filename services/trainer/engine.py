@@ -32,6 +32,7 @@ from libs.contracts.common import AdamParams, LoraConfig
 from libs.contracts.loss_specs import LOSS_SPECS, resolve_config, validate_loss_request
 from services.trainer import slot_state
 from services.trainer.fused_ce import lm_head_logprobs
+from services.trainer.host_copy import to_device
 from services.trainer.lora import AdapterPool, grouped_mm_supported
 from services.trainer.losses import LOSS_FNS, LOSS_METRICS
 from services.trainer.model import build_model
@@ -213,15 +214,25 @@ class TrainerEngine:
         reads = set(LOSS_SPECS[loss_fn].inputs) - {"target_tokens"}  # ignored inputs never reach the loss
         top_k = any(np.ndim(d.loss_inputs["target_tokens"]) == 2 for d in datums)
         metrics_fn = LOSS_METRICS.get(loss_fn)
-        metrics: dict[int, dict[str, float]] = {}
         # Top-K targets: pack with the first column as labels, then score all K from the logits.
         packed = [_first_column(d) for d in datums] if top_k else datums
+        order = sorted(range(len(packed)), key=lambda i: packed[i].slot)  # as `pack` orders them
+        # The losses' inputs reach the device before the model is launched, in one copy (were they
+        # copied after the forward is queued, a copy from pageable memory would hold the
+        # backward's launch until the forward had finished; ``host_copy``).
+        ordered_inputs = [{k: v for k, v in datums[i].loss_inputs.items() if k in reads} for i in order]
+        on_device = iter(_to_device_at_once([a for d in ordered_inputs for a in d.values()], np.float32, self.device))
+        staged = [{k: next(on_device) for k in d} for d in ordered_inputs]
+        targets_k = (
+            _to_device_at_once([datums[i].loss_inputs["target_tokens"] for i in order], np.int64, self.device)
+            if top_k
+            else []
+        )
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         finish: Callable[[torch.Tensor], None] = _backward
         with grad_mode:
             if self._graphed(packed, top_k):
                 assert self.step_graphs is not None
-                order = sorted(range(len(packed)), key=lambda i: packed[i].slot)  # as `pack` orders them
                 ordered = [packed[i] for i in order]
                 bounds = np.concatenate([[0], np.cumsum([d.num_tokens for d in ordered])]).tolist()
                 tokens = np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in ordered])
@@ -229,7 +240,8 @@ class TrainerEngine:
                 lp_all, finish = self.step_graphs.logprobs(ordered, tokens, targets, backward=not forward_only)
             else:
                 batch = pack(packed, self.device)
-                order, bounds = batch.order, batch.bounds
+                assert batch.order == order
+                bounds = batch.bounds
                 with self._routed(batch):
                     if top_k:
                         logits = self.model(
@@ -240,38 +252,29 @@ class TrainerEngine:
                     ):
                         lp_all = self._fused_logprobs(batch)  # [T]
                     else:
-                        lp_all = self._unfused_logprobs(batch)  # [T]
+                        lp_all = self._output_layer_logprobs(
+                            batch.input_ids, batch.position_ids, batch.labels, batch.cu_seqlens, batch.max_len
+                        )  # [T]
             lps: list[torch.Tensor] = []
             losses: list[torch.Tensor] = []
-            for j, index in enumerate(order):
+            metrics: list[dict[str, torch.Tensor]] = []
+            for j in range(len(order)):
                 start, end = bounds[j], bounds[j + 1]
-                datum = datums[index]
                 if top_k:
-                    targets_k = torch.as_tensor(
-                        np.asarray(datum.loss_inputs["target_tokens"], dtype=np.int64), device=self.device
-                    )
-                    lp = target_logprobs(logits[start:end], targets_k.reshape(end - start, -1))  # [N, K]
-                    lp = lp if targets_k.ndim == 2 else lp[:, 0]
+                    lp = target_logprobs(logits[start:end], targets_k[j].reshape(end - start, -1))  # [N, K]
+                    lp = lp if targets_k[j].ndim == 2 else lp[:, 0]
                 else:
                     lp = lp_all[start:end]  # [N]
-                inputs = {
-                    name: torch.as_tensor(np.asarray(value), dtype=torch.float32, device=self.device)
-                    for name, value in datum.loss_inputs.items()
-                    if name in reads
-                }
                 lps.append(lp)
-                losses.append(LOSS_FNS[loss_fn](lp, inputs, cfg))
+                losses.append(LOSS_FNS[loss_fn](lp, staged[j], cfg))
                 if metrics_fn is not None:
                     with torch.no_grad():
-                        metrics[index] = metrics_fn(lp, inputs, cfg)
+                        metrics.append(metrics_fn(lp, staged[j], cfg))
+            loss_values = torch.stack(losses)  # [D]
             if not forward_only:
-                finish(torch.stack(losses).sum())
+                finish(loss_values.sum())
                 self._pending.update(d.slot for d in datums)
-        outputs: list[DatumOutput | None] = [None] * len(datums)
-        for j, index in enumerate(order):
-            lp_np = lps[j].detach().cpu().numpy().astype(np.float32)
-            outputs[index] = DatumOutput(lp_np, float(losses[j].detach()), metrics.get(index, {}))
-        return [o for o in outputs if o is not None]
+        return _unpack_outputs(order, lps, loss_values, metrics)
 
     def optim_step(self, params: Mapping[int, AdamParams]) -> dict[int, StepReport]:
         """One AdamW step per requested slot (ascending slot order); zeroes those slots' grads."""
@@ -367,7 +370,7 @@ class TrainerEngine:
         if self.tp_size != 1 or backend not in ("varlen_flash", "varlen_flash_cudnn", "sdpa_per_document"):
             return None
         recorder = CudaGraphRecorder(quiet=slot_state.PINNING) if self.device.type == "cuda" else None
-        return StepGraphs(self._static_logprobs, self.pool.routing, self.pool.rows.grads, recorder)
+        return StepGraphs(self._output_layer_logprobs, self.pool.routing, self.pool.rows.grads, recorder)
 
     def _graphed(self, datums: list[DatumInput], top_k: bool) -> bool:
         """Whether this forward runs as a static step (``step_graphs``): one target per token, at
@@ -386,15 +389,7 @@ class TrainerEngine:
             self.fused_ce, self.config.device, padded, local_vocab
         )
 
-    def _unfused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """Every token's target log-probability ``[T]`` by megatron's output layer and vocab-parallel
-        cross-entropy (the unfused loss path; the routing is the caller's)."""
-        token_loss = self.model(
-            batch.input_ids, batch.position_ids, None, labels=batch.labels, packed_seq_params=self._packed_params(batch)
-        )
-        return -token_loss[0].float()
-
-    def _static_logprobs(
+    def _output_layer_logprobs(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -402,13 +397,15 @@ class TrainerEngine:
         cu_seqlens: torch.Tensor,
         max_len: int,
     ) -> torch.Tensor:
-        """Every token's target log-probability ``[T]`` in a static step (TP = 1, the static
-        inputs of ``step_graphs``): megatron's output layer, then
-        ``vocab.target_logprobs``, which a CUDA graph can record (megatron's vocab-parallel
-        cross-entropy masks its targets by boolean indexing, a host sync, and all-reduces even
-        at one rank)."""
+        """Every token's target log-probability ``[T]`` by the unfused path: megatron's output
+        layer (with its LoRA hook), then ``vocab.target_logprobs`` on the logits (the routing is
+        the caller's). Not megatron's vocab-parallel cross-entropy: that one copies the logits to
+        fp32, masks its targets by boolean indexing (a host sync, which also keeps a CUDA graph
+        from recording it) and all-reduces even at one rank; at TP=1 on CUDA ``target_logprobs``
+        reads the logits in their own dtype in one kernel. Static steps (``step_graphs``) record
+        this method."""
         logits = self.model(input_ids, position_ids, None, packed_seq_params=_packed_seq_params(cu_seqlens, max_len))
-        return target_logprobs(logits[0], labels[0, :, None])[:, 0]  # logits [1, T, V]
+        return target_logprobs(logits[0], labels[0, :, None])[:, 0]  # logits [1, T, V/tp]
 
     def _fused_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The model up to the final norm (its output layer skipped), then ``fused_ce``."""
@@ -469,6 +466,13 @@ class TrainerEngine:
             for name, value in datum.loss_inputs.items():
                 if name != "target_tokens" and not np.all(np.isfinite(np.asarray(value, dtype=np.float64))):
                     raise ValueError(f"data[{i}].loss_fn_inputs.{name} has non-finite values")
+            sequence = datum.loss_inputs.get("sampled_sequence")
+            if sequence is not None and loss_fn == "stable_reinforce":
+                seq = np.asarray(sequence, dtype=np.float64)
+                if np.any((seq != np.round(seq)) | (seq < -1) | (seq >= datum.num_tokens)):
+                    raise ValueError(
+                        f"data[{i}].loss_fn_inputs.sampled_sequence must hold integers in [-1, {datum.num_tokens})"
+                    )
 
 
 def _packed_seq_params(cu_seqlens: torch.Tensor, max_len: int) -> Any:
@@ -481,6 +485,42 @@ def _packed_seq_params(cu_seqlens: torch.Tensor, max_len: int) -> Any:
 
 def _backward(loss: torch.Tensor) -> None:
     loss.backward()
+
+
+def _to_device_at_once(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` as ``dtype`` tensors on ``device``, views of one tensor that took one copy."""
+    if not arrays:
+        return []
+    flat = to_device(np.concatenate([np.asarray(a, dtype=dtype).ravel() for a in arrays]), device)
+    views, offset = [], 0
+    for a in arrays:
+        shape = np.shape(a)
+        size = int(np.prod(shape))
+        views.append(flat[offset : offset + size].view(shape))
+        offset += size
+    return views
+
+
+def _unpack_outputs(
+    order: list[int], lps: list[torch.Tensor], losses: torch.Tensor, metrics: list[dict[str, torch.Tensor]]
+) -> list[DatumOutput]:
+    """Each datum's output in request order, read from the device in one copy (``lps``,
+    ``losses`` and ``metrics`` are in packed order)."""
+    values = [lp.detach().reshape(-1) for lp in lps] + [losses.detach().reshape(-1)]
+    values += [v.detach().reshape(1) for m in metrics for v in m.values()]
+    host = torch.cat([v.float() for v in values]).cpu().numpy()
+    offset = sum(lp.numel() for lp in lps)
+    loss_host, offset = host[offset : offset + len(lps)], offset + len(lps)
+    outputs: list[DatumOutput | None] = [None] * len(order)
+    start = 0
+    for j, index in enumerate(order):
+        lp_np = host[start : start + lps[j].numel()].reshape(tuple(lps[j].shape))
+        start += lps[j].numel()
+        named: dict[str, float] = {}
+        for name in metrics[j] if metrics else ():
+            named[name], offset = float(host[offset]), offset + 1
+        outputs[index] = DatumOutput(lp_np, float(loss_host[j]), named)
+    return [o for o in outputs if o is not None]
 
 
 def _first_column(datum: DatumInput) -> DatumInput:

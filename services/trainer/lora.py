@@ -78,6 +78,7 @@ from torch import nn
 
 from libs.contracts.common import LoraConfig
 from services.trainer.convert import ModelShape, ShardKind, fuse_glu, fuse_qkv, shard
+from services.trainer.host_copy import to_device
 from services.trainer.parallel import tp_rank, tp_size
 from services.trainer.probes import KernelProbe
 
@@ -238,11 +239,11 @@ class SlotRouting:
             consecutive = real_slots == list(range(real_slots[0], real_slots[0] + len(real_slots)))
             self._groups[key] = GroupLayout(
                 rank=max(self.configs[s].rank for s in slots),
-                source=torch.tensor(source, device=x.device),
-                offsets=torch.tensor([seg.end for seg in self.segments], dtype=torch.int32, device=x.device),
-                real=torch.tensor(real, device=x.device),
-                real_slots=torch.tensor(real_slots, device=x.device),
-                real_scale=torch.tensor(scales, device=x.device),
+                source=to_device(source, x.device),
+                offsets=to_device([seg.end for seg in self.segments], x.device, torch.int32),
+                real=to_device(real, x.device),
+                real_slots=to_device(real_slots, x.device),
+                real_scale=to_device(scales, x.device),
                 every=len(real) == len(self.segments),
                 scale=scales[0] if len(set(scales)) == 1 else None,
                 identity=source == list(range(len(source))),

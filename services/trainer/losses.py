@@ -44,7 +44,7 @@ import torch
 from libs.contracts.loss_specs import LOSS_SPECS
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
-MetricsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], dict[str, float]]
+MetricsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], dict[str, torch.Tensor]]
 
 
 def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -100,12 +100,15 @@ def _stable_reinforce_terms(
     lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(covered [N] bool, r [N], kept [N] bool: position in a sequence inside the bound,
-    masked sequences [])."""
+    masked sequences []).
+
+    The per-sequence sums have N entries, one per possible index (the engine checks that every
+    ``sampled_sequence`` lies in [-1, N)), so no size is read back from the device."""
     seq = inputs["sampled_sequence"]  # [N]: index of the sampled sequence, -1 outside
     covered = seq >= 0
     r = torch.where(covered, lp - inputs["sampler_logprobs"], torch.zeros_like(lp))  # [N]
     index = seq.clamp(min=0).long()  # [N]
-    count = int(index.max()) + 1 if covered.any() else 1
+    count = lp.shape[0]
     weight = covered.to(lp.dtype)
     sums = torch.zeros(count, dtype=lp.dtype, device=lp.device).index_add_(0, index, r.detach() * weight)
     sizes = torch.zeros(count, dtype=lp.dtype, device=lp.device).index_add_(0, index, weight)
@@ -129,14 +132,14 @@ def stable_reinforce(
 
 def stable_reinforce_metrics(
     lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], cfg: Mapping[str, float]
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     covered, r, kept, masked = _stable_reinforce_terms(lp.detach(), inputs, cfg)
     rho = torch.exp(r)
     kl = torch.where(covered, rho - 1.0 - r, torch.zeros_like(r)).sum()
     return {
-        "stable_reinforce/capped_tokens:sum": float((kept & (rho > cfg["ratio_cap"])).sum()),
-        "stable_reinforce/masked_sequences:sum": float(masked),
-        "stable_reinforce/kl_sampler:sum": float(kl),
+        "stable_reinforce/capped_tokens:sum": (kept & (rho > cfg["ratio_cap"])).sum(),
+        "stable_reinforce/masked_sequences:sum": masked,
+        "stable_reinforce/kl_sampler:sum": kl,
     }
 
 
@@ -150,5 +153,6 @@ LOSS_FNS: dict[str, LossFn] = {
     "stable_reinforce": stable_reinforce,
 }
 LOSS_METRICS: dict[str, MetricsFn] = {"stable_reinforce": stable_reinforce_metrics}
-"""Per-datum metrics beside the loss, each named ``name:sum`` (so datums and chunks add up)."""
+"""Per-datum metrics beside the loss, each named ``name:sum`` (so datums and chunks add up), as
+0-dim tensors: the engine reads every datum's in one copy once the backward is queued."""
 assert set(LOSS_FNS) == set(LOSS_SPECS), "every declared loss needs an implementation"

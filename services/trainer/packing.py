@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.trainer.host_copy import to_device
 from services.trainer.lora import Segment
 
 
@@ -74,9 +75,9 @@ def pack(datums: list[DatumInput], device: torch.device) -> PackedBatch:
         order=order,
         bounds=bounds,
         segments=segments,
-        input_ids=torch.from_numpy(tokens).to(device)[None],  # [1, T]
-        position_ids=torch.from_numpy(positions).to(device)[None],  # [1, T]
-        labels=torch.from_numpy(targets).to(device)[None],  # [1, T]
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),  # [D + 1]
+        input_ids=to_device(tokens, device)[None],  # [1, T]
+        position_ids=to_device(positions, device)[None],  # [1, T]
+        labels=to_device(targets, device)[None],  # [1, T]
+        cu_seqlens=to_device(bounds, device, torch.int32),  # [D + 1]
         max_len=max(lengths),
     )

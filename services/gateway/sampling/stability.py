@@ -190,7 +190,8 @@ def _resolve_datum(
                     f"{span.sequence_id!r}'s recorded {what} at [{span.offset}, {span.offset + span.length})"
                 )
             recorded[position:end] = found.logprobs[span.offset : span.offset + span.length]
-            sequence[position:end] = numbering.setdefault(span.sequence_id, len(numbering))
+            if span.length:  # numbered only where it covers a position: every index stays below n
+                sequence[position:end] = numbering.setdefault(span.sequence_id, len(numbering))
         position = end
     advantages = datum.inputs["advantages"].numpy()
     stray = np.flatnonzero((advantages != 0) & (sequence < 0))

@@ -150,7 +150,7 @@ def test_loss_and_grads_match_reference(
     loss_fn: str, cfg: dict[str, float], engine: TrainerEngine, qwen_dir: Path, fused: bool
 ) -> None:
     """Per-datum logprobs, losses and every LoRA gradient (lm_head's too) equal the HF +
-    plain-torch reference, through megatron's output layer and vocab-parallel cross-entropy or
+    plain-torch reference, through megatron's output layer and ``vocab.target_logprobs`` or
     (``fused-ce``) the chunked fused linear cross-entropy in pieces of 4 tokens."""
     config = LoraConfig(rank=4, seed=3)
     state = randomize_slot(engine, 1, config, seed=11)
@@ -273,6 +273,25 @@ def test_engine_rejects_invalid_request_without_side_effects(engine: TrainerEngi
     assert not engine.has_pending_grads(0)
 
 
+@pytest.mark.parametrize("index", [4.0, -2.0, 0.5], ids=["past-the-datum", "below-minus-one", "fractional"])
+def test_engine_rejects_a_sampled_sequence_index_outside_the_datum(engine: TrainerEngine, index: float) -> None:
+    """``stable_reinforce``'s per-sequence sums have one entry per position, so a
+    ``sampled_sequence`` value must be an integer in [-1, N): anything else is a ValueError
+    naming the field, with no gradients left pending."""
+    engine.init_slot(0, LoraConfig(rank=2, seed=0))
+    tokens = np.arange(4, dtype=np.int64)
+    sequence = np.array([-1.0, 0.0, 0.0, index], dtype=np.float32)
+    inputs: dict[str, np.ndarray] = {
+        "target_tokens": tokens,
+        "advantages": np.ones(4, np.float32),
+        "sampler_logprobs": np.zeros(4, np.float32),
+        "sampled_sequence": sequence,
+    }
+    with pytest.raises(ValueError, match=r"data\[0\]\.loss_fn_inputs\.sampled_sequence must hold integers in \[-1, 4\)"):
+        engine.forward_backward([DatumInput(0, tokens, inputs)], "stable_reinforce", SR_CONFIG)
+    assert not engine.has_pending_grads(0)
+
+
 def test_stable_reinforce_metrics_count_capped_tokens_masked_sequences_and_kl(
     engine: TrainerEngine,
 ) -> None:
@@ -324,3 +343,43 @@ def test_stable_reinforce_chunked_over_calls_equals_one_call(engine64: TrainerEn
     for a, b in zip(whole, chunked, strict=True):
         assert b.loss == pytest.approx(a.loss, rel=1e-9, abs=1e-12)
         assert b.metrics == a.metrics
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_step_never_waits_for_the_gpu_between_launching_the_model_and_reading_its_outputs(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CUDA's synchronisation check set to raise from the moment the model is called until
+    the outputs are read, eager ``forward_backward`` steps of one slot and of two co-packed
+    slots (the grouped matmuls), with the cross-entropy, importance-sampling and
+    ``stable_reinforce`` losses (its per-sequence sums and metrics), run through: nothing in
+    the forward, the losses or the backward's launch reads a value back from the GPU."""
+    from services.trainer import engine as engine_module
+    from services.trainer.engine import EngineConfig
+
+    engine = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", step_graphs=False))
+    for slot in (1, 2):
+        randomize_slot(engine, slot, LoraConfig(rank=4, seed=slot), seed=slot)
+    rng = np.random.default_rng(3)
+    calls = [
+        (loss_fn, datums)
+        for loss_fn in ("cross_entropy", "importance_sampling", "stable_reinforce")
+        for datums in (_datums(engine, loss_fn, rng, 1), _datums(engine, loss_fn, rng, 1) + _datums(engine, loss_fn, rng, 2))
+    ]
+    for loss_fn, datums in calls:  # first uses: the kernels' probes read their results back
+        engine.forward_backward(datums, loss_fn, SR_CONFIG if loss_fn == "stable_reinforce" else None)
+    read_outputs = engine_module._unpack_outputs
+
+    def read_unchecked(*args: object) -> object:
+        torch.cuda.set_sync_debug_mode(0)
+        return read_outputs(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "_unpack_outputs", read_unchecked)
+    hook = engine.model.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("error"))
+    try:
+        for loss_fn, datums in calls:
+            outputs = engine.forward_backward(datums, loss_fn, SR_CONFIG if loss_fn == "stable_reinforce" else None)
+            assert len(outputs) == len(datums) and all(math.isfinite(o.loss) for o in outputs), loss_fn
+    finally:
+        hook.remove()
+        torch.cuda.set_sync_debug_mode(0)
