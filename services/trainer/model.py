@@ -4,8 +4,9 @@ Supported families: Qwen3 dense (qk RMSNorm, GQA, no bias) and Llama-3 dense (GQ
 optional ``llama3`` RoPE scaling).  On CPU the layer spec uses megatron's local modules
 (torch RMSNorm, ``ColumnParallelLinear``/``RowParallelLinear``) and fp32; on GPU it uses the
 Transformer Engine linears and norms when ``transformer_engine`` imports, in bf16.  Core
-attention is always one of ``attention.ATTENTION_BACKENDS`` (packed, per-document causal), and
-the MLP's activation ``swiglu.SwiGLU`` (one Triton kernel per direction on CUDA).
+attention is always one of ``attention.ATTENTION_BACKENDS`` (packed, per-document causal), the
+MLP's activation ``swiglu.SwiGLU`` and, without transformer-engine, every norm
+``rmsnorm.RMSNorm`` (each one Triton kernel per direction on CUDA).
 
 Invariant: every base parameter is frozen (``requires_grad=False``) and holds this rank's
 shard of the HF weights; the module tree and parameter names are exactly megatron's (the
@@ -34,6 +35,7 @@ from services.trainer.convert import (
     weight_shard_kind,
 )
 from services.trainer.parallel import tp_all_gather, tp_rank, tp_size
+from services.trainer.rmsnorm import RMSNorm
 from services.trainer.shims import apply_cpu_shims
 from services.trainer.swiglu import SwiGLU
 
@@ -117,8 +119,20 @@ def transformer_config(cfg: Any, shape: ModelShape, *, tp: int, dtype: torch.dty
     )
 
 
+def block_spec(attention_backend: str, qk_norm: bool, use_te: bool, num_layers: int) -> Any:
+    """The decoder's spec: ``num_layers`` of ``layer_spec`` and the final norm (without
+    transformer-engine, ``rmsnorm.RMSNorm`` as in the layers)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = layer_spec(attention_backend, qk_norm, use_te)
+    final_norm = layer.submodules.pre_mlp_layernorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+
+
 def layer_spec(attention_backend: str, qk_norm: bool, use_te: bool) -> Any:
-    """A dense transformer-layer spec with unfused norms (so LoRA hooks see the normed input)."""
+    """A dense transformer-layer spec with unfused norms (so LoRA hooks see the normed input):
+    transformer-engine's linears and norms where it imports, else megatron's local linears and
+    ``rmsnorm.RMSNorm`` (``torch.nn.RMSNorm``, one Triton kernel per direction on CUDA)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -138,9 +152,8 @@ def layer_spec(attention_backend: str, qk_norm: bool, use_te: bool) -> Any:
         column, row, norm = TEColumnParallelLinear, TERowParallelLinear, TENorm
     else:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        column, row, norm = ColumnParallelLinear, RowParallelLinear, WrappedTorchNorm
+        column, row, norm = ColumnParallelLinear, RowParallelLinear, RMSNorm
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -196,7 +209,7 @@ def build_model(
     rope = rope_settings(cfg)
     config = transformer_config(cfg, shape, tp=tp_size(), dtype=dtype, device=device)
     use_te = device == "cuda" and _transformer_engine_available()
-    spec = layer_spec(attention_backend, qk_norm=shape.qk_norm, use_te=use_te)
+    spec = block_spec(attention_backend, qk_norm=shape.qk_norm, use_te=use_te, num_layers=shape.num_layers)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -211,7 +224,7 @@ def build_model(
         rope_scaling=rope.llama3_factor is not None,
         rope_scaling_factor=rope.llama3_factor or 8.0,
     )
-    # WrappedTorchNorm ignores params_dtype (its RMSNorm weights are always fp32).
+    # torch.nn.RMSNorm ignores params_dtype (its weights are made fp32).
     model = model.to(dtype=dtype, device=torch.device(device))
     load_hf_weights(model, model_dir, shape)
     for param in model.parameters():
