@@ -77,6 +77,7 @@ import torch
 from torch import nn
 
 from libs.contracts.common import LoraConfig
+from services.trainer import grouped_addmm
 from services.trainer.convert import ModelShape, ShardKind, fuse_glu, fuse_qkv, shard
 from services.trainer.host_copy import to_device
 from services.trainer.parallel import tp_rank, tp_size
@@ -480,9 +481,11 @@ class SlotAdapter(nn.Module):
         self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor], base: torch.Tensor
     ) -> torch.Tensor:
         """``base`` ([T, out]) plus the LoRA term, both factors as grouped matmuls over the
-        segments (one kernel each; the sum a separate addition: ``torch._grouped_mm`` has no
-        epilogue for it, and one ``addmm`` per segment, measured on the H200 at 16x256 of 8
-        tenants, cost the host more launches than the addition costs the GPU).
+        segments (one kernel each). ``torch._grouped_mm`` has no epilogue for the sum: on CUDA
+        the second factor's kernel is ``grouped_addmm``'s, which adds ``base`` as it writes;
+        elsewhere the sum is a separate addition (one ``addmm`` per segment instead, measured
+        on the H200 at 16x256 of 8 tenants, cost the host more launches than the addition costs
+        the GPU).
 
         Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
         zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
@@ -536,6 +539,8 @@ class SlotAdapter(nn.Module):
         a = _ToRows.apply(self.lora_A, a, a_sink)
         b = _ToRows.apply(self.lora_B, b, b_sink)
         h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
+        if grouped_addmm.fused_supported(h):
+            return grouped_addmm.grouped_addmm(base, h, b, layout.offsets)  # [T, out]
         return base + torch._grouped_mm(h, b.transpose(1, 2), offs=layout.offsets).to(base.dtype)  # [T, out]
 
     def _per_segment(self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
