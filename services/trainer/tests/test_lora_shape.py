@@ -218,37 +218,44 @@ def test_the_grouped_matmul_probe_answers_alike_inside_a_forward_only_call(monke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_the_grouped_lora_path_agrees_with_the_per_segment_path_within_bf16_error(qwen_dir: Path) -> None:
-    """A bf16 CUDA engine, one eager step of three slots' five documents (slot 2 without MLP
-    adapters: its segments read the all-zero row there), through the grouped matmuls against one
-    small matmul per segment. Logprobs within 0.02 + 1 %; every gradient within 3 % of its
-    tensor's largest entry."""
+def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(qwen_dir: Path) -> None:
+    """One eager step of three slots' five documents (slot 2 without MLP adapters: its segments
+    read the all-zero row there) on a bf16 CUDA engine, through the grouped matmuls (the second
+    factor adding the base output as it writes, rounded once) and through one small matmul per
+    segment, each against the same step of a float32 CPU engine: the grouped path's largest
+    logprob error, and each gradient's, is at most twice the per-segment path's (plus 1e-3 of
+    the reference's largest value). Two bf16 paths that round differently are compared through
+    the exact-er reference, not with each other."""
     from services.trainer.engine import EngineConfig
 
-    engine = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", step_graphs=False))
+    cuda = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", step_graphs=False))
+    fp32 = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8))
     configs = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
-    for slot, config in configs.items():
-        randomize_slot(engine, slot, config, seed=50 + slot)
+    for engine in (cuda, fp32):
+        for slot, config in configs.items():
+            randomize_slot(engine, slot, config, seed=50 + slot)
     rng = np.random.default_rng(3)
     batch = [ce_datum(rng, slot, n) for slot, n in ((2, 40), (0, 64), (1, 24), (2, 16), (0, 8))]
 
-    def run(stacked: bool) -> tuple[list[np.ndarray], dict[int, dict[str, torch.Tensor]]]:
+    def run(engine: TrainerEngine, stacked: bool) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
         engine.pool.routing.stacked = stacked
-        outs = engine.forward_backward(batch, "cross_entropy")
-        grads = {slot: {k: v.float().cpu() for k, v in engine.get_slot_grads(slot).items()} for slot in configs}
+        try:
+            outs = engine.forward_backward(batch, "cross_entropy")
+        finally:
+            engine.pool.routing.stacked = False
+        grads = {(slot, k): v.float().cpu() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
         for slot in configs:
             engine.discard_grads(slot)
-        return [o.logprobs for o in outs], grads
+        return np.concatenate([o.logprobs for o in outs]), grads
 
-    want_lp, want_grads = run(stacked=False)
-    got_lp, got_grads = run(stacked=True)
-    engine.pool.routing.stacked = False
-    for got, ref in zip(got_lp, want_lp, strict=True):
-        assert np.all(np.abs(got - ref) <= 0.02 + 0.01 * np.abs(ref))
-    for slot, grads in want_grads.items():
-        for name, grad in grads.items():
-            bound = 0.03 * float(grad.abs().max())
-            assert float((got_grads[slot][name] - grad).abs().max()) <= bound, (slot, name)
+    ref_lp, ref_grads = run(fp32, stacked=False)
+    (seg_lp, seg_grads), (grouped_lp, grouped_grads) = run(cuda, stacked=False), run(cuda, stacked=True)
+    lp_scale = float(np.abs(ref_lp).max())
+    assert np.abs(grouped_lp - ref_lp).max() <= 2 * np.abs(seg_lp - ref_lp).max() + 1e-3 * lp_scale
+    for key, ref in ref_grads.items():
+        seg_error = float((seg_grads[key] - ref).abs().max())
+        grouped_error = float((grouped_grads[key] - ref).abs().max())
+        assert grouped_error <= 2 * seg_error + 1e-3 * float(ref.abs().max()), key
 
 
 def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_linear(

@@ -69,14 +69,15 @@ def _steps_apart(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_kernels_are_within_one_rounding_step_of_the_eager_path(dtype: torch.dtype) -> None:
     """The kernels serve CUDA (the probe passed), and every output and input-gradient value is
-    within one rounding step of ``F.silu(gate) * up``'s, NaN and infinity where it has them."""
+    within one rounding step of ``F.silu(gate) * up``'s, NaN and infinity where it has them: a
+    NaN gate makes its output NaN, a NaN ``up`` its gate's gradient."""
     x, grad = _input("cuda", dtype)
     assert swiglu.fused_supported(x)
     got, got_grad = _forward_backward(swiglu._SwiGLUFunction.apply, x, grad)
     ref, ref_grad = _forward_backward(_eager, x, grad)
     assert int(_steps_apart(got, ref).sum()) == 0
     assert int(_steps_apart(got_grad, ref_grad).sum()) == 0
-    assert got.isnan()[0, 0, 0] and got_grad.isnan()[1, 0, 1100]
+    assert got.isnan()[0, 0, 0] and got_grad.isnan()[1, 0, 0]
 
 
 @cuda
