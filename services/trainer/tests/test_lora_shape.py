@@ -222,14 +222,25 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
     """One eager step of three slots' five documents (slot 2 without MLP adapters: its segments
     read the all-zero row there) on a bf16 CUDA engine, through the grouped matmuls (the second
     factor adding the base output as it writes, rounded once) and through one small matmul per
-    segment, each against the same step of a float32 CPU engine: the grouped path's largest
-    logprob error, and each gradient's, is at most twice the per-segment path's (plus 1e-3 of
-    the reference's largest value). Two bf16 paths that round differently are compared through
+    segment, each against the same step of a float32 engine: the grouped path's largest
+    logprob error is at most twice the per-segment path's, and the error of each slot's
+    gradients (all its tensors as one vector) at most 1.5 times (each plus 1e-3 of the
+    reference's size). Two bf16 paths that round differently are compared through
     the exact-er reference, not with each other."""
     from services.trainer.engine import EngineConfig
 
     cuda = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", step_graphs=False))
-    fp32 = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8))
+    fp32 = TrainerEngine(
+        EngineConfig(
+            str(qwen_dir),
+            num_slots=4,
+            max_lora_rank=8,
+            device="cuda",
+            dtype=torch.float32,
+            attention_backend="sdpa_per_document",  # FlashAttention takes no fp32
+            step_graphs=False,
+        )
+    )
     configs = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
     for engine in (cuda, fp32):
         for slot, config in configs.items():
@@ -252,10 +263,12 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
     (seg_lp, seg_grads), (grouped_lp, grouped_grads) = run(cuda, stacked=False), run(cuda, stacked=True)
     lp_scale = float(np.abs(ref_lp).max())
     assert np.abs(grouped_lp - ref_lp).max() <= 2 * np.abs(seg_lp - ref_lp).max() + 1e-3 * lp_scale
-    for key, ref in ref_grads.items():
-        seg_error = float((seg_grads[key] - ref).abs().max())
-        grouped_error = float((grouped_grads[key] - ref).abs().max())
-        assert grouped_error <= 2 * seg_error + 1e-3 * float(ref.abs().max()), key
+    for slot in configs:  # each slot's gradients as one vector: single entries are bf16 noise
+        keys = [key for key in ref_grads if key[0] == slot]
+        ref = torch.cat([ref_grads[key].flatten() for key in keys])
+        seg_error = torch.linalg.vector_norm(torch.cat([seg_grads[key].flatten() for key in keys]) - ref)
+        grouped_error = torch.linalg.vector_norm(torch.cat([grouped_grads[key].flatten() for key in keys]) - ref)
+        assert float(grouped_error) <= 1.5 * float(seg_error) + 1e-3 * float(torch.linalg.vector_norm(ref)), slot
 
 
 def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_linear(
