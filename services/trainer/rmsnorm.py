@@ -133,7 +133,7 @@ class _RMSNormFunction(torch.autograd.Function):
         out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         grid, per_program, block, warps = _launch(rows.shape[0], width)
-        kernel: Any = _forward_kernel
+        kernel: Any = _rmsnorm_forward_kernel
         kernel[grid](
             rows, weight, out, rstd, rows.shape[0], width, rows.stride(0), eps,
             ROWS=per_program, BLOCK=block, num_warps=warps,
@@ -151,7 +151,7 @@ class _RMSNormFunction(torch.autograd.Function):
             dy = dy.contiguous()
         dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         grid, per_program, block, warps = _launch(rows.shape[0], width)
-        kernel: Any = _backward_kernel
+        kernel: Any = _rmsnorm_backward_kernel
         kernel[grid](
             rows, weight, dy, rstd, dx, rows.shape[0], width, rows.stride(0), dy.stride(0),
             ROWS=per_program, BLOCK=block, num_warps=warps,
@@ -162,7 +162,7 @@ class _RMSNormFunction(torch.autograd.Function):
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(
+    def _rmsnorm_forward_kernel(
         x_ptr, w_ptr, out_ptr, rstd_ptr, rows, width, x_stride, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
@@ -176,7 +176,7 @@ if triton is not None:
         tl.store(rstd_ptr + row, rstd, mask=row < rows)
 
     @triton.jit
-    def _backward_kernel(
+    def _rmsnorm_backward_kernel(
         x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, rows, width, x_stride, dy_stride,
         ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip

@@ -145,7 +145,7 @@ class _TargetLogprobs(torch.autograd.Function):
         k = targets.shape[1]
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         out = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
-        kernel: Any = _forward_kernel
+        kernel: Any = _target_logprobs_forward_kernel
         kernel[(rows,)](logits, targets, lse, out, vocab, logits.stride(0), k, BLOCK=BLOCK, num_warps=8)
         ctx.save_for_backward(logits, targets, lse)
         return out
@@ -156,7 +156,7 @@ class _TargetLogprobs(torch.autograd.Function):
         rows, vocab = logits.shape
         grad = grad.float().contiguous()
         out = torch.empty(rows, vocab, dtype=logits.dtype, device=logits.device)
-        kernel: Any = _backward_kernel
+        kernel: Any = _target_logprobs_backward_kernel
         k = targets.shape[1]
         kernel[(rows,)](
             logits, targets, lse, grad, out, vocab, logits.stride(0), k,
@@ -168,7 +168,7 @@ class _TargetLogprobs(torch.autograd.Function):
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, t_ptr, lse_ptr, out_ptr, vocab, x_stride, k, BLOCK: tl.constexpr):
+    def _target_logprobs_forward_kernel(x_ptr, t_ptr, lse_ptr, out_ptr, vocab, x_stride, k, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         cols = tl.arange(0, BLOCK)
@@ -196,7 +196,7 @@ if triton is not None:
             tl.store(out_ptr + row * k + j, tl.where(inside, picked, 0.0) - lse)
 
     @triton.jit
-    def _backward_kernel(
+    def _target_logprobs_backward_kernel(
         x_ptr, t_ptr, lse_ptr, g_ptr, out_ptr, vocab, x_stride, k, BLOCK: tl.constexpr, K_P2: tl.constexpr
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
