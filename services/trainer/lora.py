@@ -478,14 +478,19 @@ class SlotAdapter(nn.Module):
         return total.view_as(base)  # [T, 1, out]
 
     def _grouped(
-        self, rows: torch.Tensor, region: Callable[[torch.Tensor], torch.Tensor], base: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        region: Callable[[torch.Tensor], torch.Tensor],
+        base: torch.Tensor,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``base`` ([T, out]) plus the LoRA term, both factors as grouped matmuls over the
         segments (one kernel each). ``torch._grouped_mm`` has no epilogue for the sum: on CUDA
         the second factor's kernel is ``grouped_addmm``'s, which adds ``base`` as it writes;
         elsewhere the sum is a separate addition (one ``addmm`` per segment instead, measured
         on the H200 at 16x256 of 8 tenants, cost the host more launches than the addition costs
-        the GPU).
+        the GPU). With ``weight`` (the frozen linear's, which computed ``base`` from ``rows``
+        detached; TP=1), ``_GroupedAdaptedLinear`` forms ``rows``' whole gradient.
 
         Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
         zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
@@ -538,6 +543,8 @@ class SlotAdapter(nn.Module):
 
         a = _ToRows.apply(self.lora_A, a, a_sink)
         b = _ToRows.apply(self.lora_B, b, b_sink)
+        if weight is not None:
+            return _GroupedAdaptedLinear.apply(rows, base, weight, a, b, layout.offsets)  # [T, out]
         h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
         if grouped_addmm.fused_supported(h):
             return grouped_addmm.grouped_addmm(base, h, b, layout.offsets)  # [T, out]
@@ -567,6 +574,15 @@ class SlotAdapter(nn.Module):
             out.append(h[seg.start : seg.end, : self.parts * rank] @ b.t())  # [t, out]
         return torch.cat(out, dim=0)  # [T, out]
 
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether ``adapt`` takes the grouped matmuls for ``x``: a slot trains this module, no one
+        slot covers the batch, and ``routing.stacked`` or a static step asks for them where
+        ``torch._grouped_mm`` runs."""
+        routing, group = self.routing, self.target.group
+        if not any(routing.configs[s.slot].trains(group) for s in routing.segments) or self.sole_slot(x) is not None:
+            return False
+        return (routing.stacked or routing.static is not None) and grouped_mm_supported(x)
+
     def sole_slot(self, x: torch.Tensor) -> int | None:
         """The one slot whose segments cover all of ``x``'s tokens and train this module, if one does."""
         routing, group = self.routing, self.target.group
@@ -577,12 +593,18 @@ class SlotAdapter(nn.Module):
         return None
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Before the base linear: where one slot covers the batch at TP=1 and ``x`` needs a
-        gradient, the base gets ``x`` detached (its frozen weight then records no backward) and
-        the hook forms ``x``'s whole gradient in ``_AdaptedLinear``; otherwise nothing changes."""
+        """Before the base linear: where one slot covers the batch, or the grouped matmuls serve
+        several, at TP=1 and ``x`` needs a gradient, the base gets ``x`` detached (its frozen
+        weight then records no backward) and the hook forms ``x``'s whole gradient in
+        ``_AdaptedLinear`` or ``_GroupedAdaptedLinear``; otherwise nothing changes."""
         x = args[0]
         self._input = None
-        if tp_size() == 1 and torch.is_grad_enabled() and x.requires_grad and self.sole_slot(x) is not None:
+        if (
+            tp_size() == 1
+            and torch.is_grad_enabled()
+            and x.requires_grad
+            and (self.sole_slot(x) is not None or self.grouped(x))
+        ):
             self._input = x
             return (x.detach(), *args[1:]), kwargs
         return None
@@ -592,14 +614,16 @@ class SlotAdapter(nn.Module):
         x, self._input = self._input, None
         if x is None:
             return self.adapt(args[0], base), bias
+        handed = kwargs.get("weight")  # the output layer may be handed its (tied) weight
+        weight: torch.Tensor = module.weight if handed is None else handed  # type: ignore[assignment]
+        rows = x.reshape(x.shape[0], x.shape[-1])
+        flat = base.reshape(rows.shape[0], -1)
         slot = self.sole_slot(x)
-        assert slot is not None
-        weight = kwargs.get("weight")  # the output layer may be handed its (tied) weight
+        if slot is None:  # the grouped matmuls (pre_hook)
+            return self._grouped(rows, lambda t: t, flat, weight).view_as(base), bias
         rank = self.routing.configs[slot].rank
         a, b = self._a(slot, rank, x.dtype), self._b(slot, rank, x.dtype)
-        rows = x.reshape(x.shape[0], x.shape[-1])
-        out = _AdaptedLinear.apply(rows, base.reshape(rows.shape[0], -1), module.weight if weight is None else weight, a, b)
-        return out.view_as(base), bias
+        return _AdaptedLinear.apply(rows, flat, weight, a, b).view_as(base), bias
 
 
 @dataclass(frozen=True)
@@ -665,6 +689,51 @@ class _AdaptedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (g @ weight).addmm_(dh, a)  # g W + dh A
         return dx, g, None, dh.t() @ x, g.t() @ h
+
+
+class _GroupedAdaptedLinear(torch.autograd.Function):
+    """``_AdaptedLinear`` for the grouped matmuls of a step of several slots (TP=1): ``base +
+    (x A_gᵀ) B_gᵀ``, each group ``g`` of rows (``offsets``: the groups' ends) by its own ``A_g
+    [w, in]`` and ``B_g [out, w]`` (``grouped_addmm`` adding ``base`` on CUDA), for a ``base``
+    the frozen linear computed from ``x`` detached. The backward forms ``x``'s whole gradient:
+    the LoRA part ``(g B_g) A_g`` by a grouped matmul, then, on CUDA, ``g W`` added onto it in one
+    GEMM's epilogue (``addmm_``), where autograd would add two ``[T, in]`` gradients in a kernel of
+    its own. On the CPU the sum keeps the one-slot path's order (``g W`` first), so that a slot's
+    training stays bit-identical however its units are composed (``test_slot_isolation.py``).
+    The factors' gradients are ``torch._grouped_mm``'s own, in the same calls."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        base: torch.Tensor,
+        weight: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        h = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)  # [T, w]
+        if grouped_addmm.fused_supported(h):
+            out = grouped_addmm.grouped_addmm(base, h, b, offsets)
+        else:
+            out = base + torch._grouped_mm(h, b.transpose(1, 2), offs=offsets).to(base.dtype)
+        ctx.save_for_backward(x, h, weight, a, b, offsets)
+        return out  # [T, out]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, Any, Any, None]:
+        x, h, weight, a, b, offsets = ctx.saved_tensors
+        dh = torch._grouped_mm(g, b, offs=offsets)  # [T, w]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            lora_part = torch._grouped_mm(dh, a, offs=offsets)  # [T, in]: dh A_g
+            if g.is_cuda:  # g W added onto it in the GEMM's epilogue: no [T, in] addition
+                dx = lora_part.addmm_(g, weight)
+            else:  # g W first, as the one-slot path sums: a slot's bits do not depend on its neighbours
+                dx = (g @ weight).add_(lora_part)
+        da = torch._grouped_mm(x.t(), dh, offs=offsets).transpose(1, 2)  # [G, w, in]
+        db = torch._grouped_mm(h.t(), g, offs=offsets).transpose(1, 2)  # [G, out, w]
+        return dx, g, None, da, db, None
 
 
 class PooledRows:

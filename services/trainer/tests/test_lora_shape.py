@@ -271,6 +271,24 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
         assert float(grouped_error) <= 1.5 * float(seg_error) + 1e-3 * float(torch.linalg.vector_norm(ref)), slot
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, function: type) -> list[str]:
+    """Every forward and backward of the autograd ``function`` from here on, in order."""
+    calls: list[str] = []
+    forward, backward = function.forward, function.backward  # type: ignore[attr-defined]
+
+    def counted_forward(ctx: object, *args: object) -> object:
+        calls.append("forward")
+        return forward(ctx, *args)
+
+    def counted_backward(ctx: object, g: torch.Tensor) -> object:
+        calls.append("backward")
+        return backward(ctx, g)
+
+    monkeypatch.setattr(function, "forward", staticmethod(counted_forward))
+    monkeypatch.setattr(function, "backward", staticmethod(counted_backward))
+    return calls
+
+
 def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_linear(
     engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -279,19 +297,7 @@ def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_li
     and backward once per step; a step of two slots, and a forward-only call, never do."""
     from services.trainer import lora
 
-    calls: list[str] = []
-    forward, backward = lora._AdaptedLinear.forward, lora._AdaptedLinear.backward
-
-    def counted_forward(ctx: object, *args: object) -> object:
-        calls.append("forward")
-        return forward(ctx, *args)  # type: ignore[arg-type]
-
-    def counted_backward(ctx: object, g: torch.Tensor) -> object:
-        calls.append("backward")
-        return backward(ctx, g)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(lora._AdaptedLinear, "forward", staticmethod(counted_forward))
-    monkeypatch.setattr(lora._AdaptedLinear, "backward", staticmethod(counted_backward))
+    calls = _count_calls(monkeypatch, lora._AdaptedLinear)
     engine.init_slot(0, LoraConfig(rank=4, seed=1))
     engine.init_slot(1, LoraConfig(rank=4, seed=2))
     rng = np.random.default_rng(0)
@@ -304,3 +310,40 @@ def test_a_one_slot_step_forms_every_needed_input_gradient_inside_the_adapted_li
     assert calls == []
     for slot in (0, 1):
         engine.discard_grads(slot)
+
+
+def test_a_grouped_step_forms_every_needed_input_gradient_inside_the_grouped_node(
+    engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of three slots through the grouped matmuls (``routing.stacked``; slot 2 without
+    MLP adapters): each adapted linear whose input needs a gradient runs as
+    ``_GroupedAdaptedLinear``, forward and backward once, and its log-probabilities and every
+    slot's gradients equal the per-segment path's (autograd adding the base and LoRA input
+    gradients) within fp32 rounding: 1e-5 of each tensor's largest entry."""
+    from services.trainer import lora
+
+    configs = {0: LoraConfig(rank=4, seed=1), 1: LoraConfig(rank=2, seed=2), 2: LoraConfig(rank=4, seed=3, train_mlp=False)}
+    for slot, config in configs.items():
+        randomize_slot(engine, slot, config, seed=30 + slot)
+    rng = np.random.default_rng(4)
+    batch = [ce_datum(rng, slot, n) for slot, n in ((2, 7), (0, 9), (1, 5), (0, 4))]
+
+    def run(stacked: bool) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
+        engine.pool.routing.stacked = stacked
+        try:
+            outs = engine.forward_backward(batch, "cross_entropy")
+        finally:
+            engine.pool.routing.stacked = False
+        grads = {(slot, k): v.clone() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
+        for slot in configs:
+            engine.discard_grads(slot)
+        return np.concatenate([o.logprobs for o in outs]), grads
+
+    want_lp, want_grads = run(stacked=False)
+    calls = _count_calls(monkeypatch, lora._GroupedAdaptedLinear)
+    got_lp, got_grads = run(stacked=True)
+    needed = 4 * engine.shape.num_layers
+    assert calls.count("forward") == needed and calls.count("backward") == needed
+    np.testing.assert_allclose(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+    for key, want in want_grads.items():
+        assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
