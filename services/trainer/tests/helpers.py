@@ -7,6 +7,7 @@ hand-written LoRA on HF's separate projections: every projection has its own ``A
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,3 +230,14 @@ def ce_bounds(
     lengths = [d.num_tokens for d in datums]
     magnitudes = {k: ref.magnitudes.sums[id(p)] for k, p in ref.params.items()}
     return Bounds(lp_bounds, ref.grad_bounds(max(lengths), sum(lengths), u), magnitudes)
+
+
+def output_and_input_grad(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn(x)`` and the gradient of ``x`` for the output gradient ``grad`` (``x`` copied as a leaf)."""
+    leaf = x.detach().clone().requires_grad_()
+    y = fn(leaf)
+    y.backward(grad)
+    assert leaf.grad is not None
+    return y.detach(), leaf.grad

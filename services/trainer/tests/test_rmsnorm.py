@@ -10,6 +10,7 @@ from torch import nn
 
 from services.trainer import rmsnorm
 from services.trainer.engine import TrainerEngine
+from services.trainer.tests.helpers import output_and_input_grad
 
 cuda = pytest.mark.skipif(rmsnorm.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton")
 
@@ -41,19 +42,11 @@ def _input(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[tor
     return x, weight, grad
 
 
-def _forward_backward(fn: object, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    leaf = x.detach().clone().requires_grad_()
-    y = fn(leaf)  # type: ignore[operator]
-    y.backward(grad)
-    assert leaf.grad is not None
-    return y.detach(), leaf.grad
-
-
 def test_the_module_on_the_cpu_is_torch_rmsnorm_forward_and_backward() -> None:
     """On the CPU ``RMSNorm`` computes exactly ``torch.nn.RMSNorm``'s output and input gradient."""
     x, weight, grad = _input("cpu", torch.float32, (7, 1, 96))
-    got, got_grad = _forward_backward(_module(96, weight, 1e-6), x, grad)
-    ref, ref_grad = _forward_backward(_reference(96, weight, 1e-6), x, grad)
+    got, got_grad = output_and_input_grad(_module(96, weight, 1e-6), x, grad)
+    ref, ref_grad = output_and_input_grad(_reference(96, weight, 1e-6), x, grad)
     torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got_grad, ref_grad, rtol=0, atol=0, equal_nan=True)
 
@@ -93,8 +86,8 @@ def test_cuda_kernels_are_within_one_rounding_step_of_torch_rmsnorm(
     x, weight, grad = _input("cuda", dtype, shape)
     assert rmsnorm.fused_supported(x)
     module = _module(shape[-1], weight, 1e-6)
-    got, got_grad = _forward_backward(module, x, grad)
-    ref, ref_grad = _forward_backward(_reference(shape[-1], weight, 1e-6), x, grad)
+    got, got_grad = output_and_input_grad(module, x, grad)
+    ref, ref_grad = output_and_input_grad(_reference(shape[-1], weight, 1e-6), x, grad)
     assert int(_steps_apart(got, ref).sum()) == 0
     assert int(_steps_apart(got_grad, ref_grad).sum()) == 0
     assert bool(got.view(-1, shape[-1])[1].isnan().all()) and bool(got_grad.view(-1, shape[-1])[1].isnan().all())
@@ -111,7 +104,7 @@ def test_cuda_kernels_take_rows_spaced_wider_than_they_are() -> None:
     assert view.reshape(-1, 128).stride() == (256, 1)
     got = module(view)
     got.backward(grad[:, :128])
-    ref, ref_grad = _forward_backward(module, x[:, :128].contiguous(), grad[:, :128].contiguous())
+    ref, ref_grad = output_and_input_grad(module, x[:, :128].contiguous(), grad[:, :128].contiguous())
     assert base.grad is not None
     assert torch.equal(got.detach().nan_to_num(), ref.nan_to_num()) and torch.equal(got.isnan(), ref.isnan())
     assert torch.equal(base.grad[:, :128].nan_to_num(), ref_grad.nan_to_num())
@@ -126,7 +119,7 @@ def test_cuda_kernels_are_within_the_bf16_bound_of_the_exact_values() -> None:
     x = (3 * torch.randn(4096, 4096, generator=gen, device="cuda")).to(torch.bfloat16)
     weight = (1 + 0.5 * torch.randn(4096, generator=gen, device="cuda")).to(torch.bfloat16)
     grad = torch.randn(4096, 4096, generator=gen, device="cuda").to(torch.bfloat16)
-    got, got_grad = _forward_backward(_module(4096, weight, 1e-6), x, grad)
+    got, got_grad = output_and_input_grad(_module(4096, weight, 1e-6), x, grad)
     leaf = x.double().requires_grad_()
     exact = leaf * torch.rsqrt(leaf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
     exact.backward(grad.double())

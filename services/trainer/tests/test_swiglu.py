@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from services.trainer import swiglu
 from services.trainer.engine import TrainerEngine
+from services.trainer.tests.helpers import output_and_input_grad
 
 cuda = pytest.mark.skipif(swiglu.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton")
 
@@ -31,19 +32,11 @@ def _input(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
     return x, grad
 
 
-def _forward_backward(fn: object, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    leaf = x.detach().clone().requires_grad_()
-    y = fn(leaf)  # type: ignore[operator]
-    y.backward(grad)
-    assert leaf.grad is not None
-    return y.detach(), leaf.grad
-
-
 def test_the_module_on_the_cpu_is_the_eager_expression_forward_and_backward() -> None:
     """On the CPU ``SwiGLU`` computes exactly ``F.silu(gate) * up``, output and input gradient."""
     x, grad = _input("cpu", torch.float32)
-    got, got_grad = _forward_backward(swiglu.SwiGLU(), x, grad)
-    ref, ref_grad = _forward_backward(_eager, x, grad)
+    got, got_grad = output_and_input_grad(swiglu.SwiGLU(), x, grad)
+    ref, ref_grad = output_and_input_grad(_eager, x, grad)
     torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got_grad, ref_grad, rtol=0, atol=0, equal_nan=True)
 
@@ -73,8 +66,8 @@ def test_cuda_kernels_are_within_one_rounding_step_of_the_eager_path(dtype: torc
     NaN gate makes its output NaN, a NaN ``up`` its gate's gradient."""
     x, grad = _input("cuda", dtype)
     assert swiglu.fused_supported(x)
-    got, got_grad = _forward_backward(swiglu._SwiGLUFunction.apply, x, grad)
-    ref, ref_grad = _forward_backward(_eager, x, grad)
+    got, got_grad = output_and_input_grad(swiglu._SwiGLUFunction.apply, x, grad)
+    ref, ref_grad = output_and_input_grad(_eager, x, grad)
     assert int(_steps_apart(got, ref).sum()) == 0
     assert int(_steps_apart(got_grad, ref_grad).sum()) == 0
     assert got.isnan()[0, 0, 0] and got_grad.isnan()[1, 0, 0]
@@ -87,7 +80,7 @@ def test_cuda_kernels_are_within_the_bf16_bound_of_the_exact_values() -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = (3 * torch.randn(4096, 2 * 1536, generator=gen, device="cuda")).to(torch.bfloat16)
     grad = torch.randn(4096, 1536, generator=gen, device="cuda").to(torch.bfloat16)
-    got, got_grad = _forward_backward(swiglu._SwiGLUFunction.apply, x, grad)
+    got, got_grad = output_and_input_grad(swiglu._SwiGLUFunction.apply, x, grad)
     leaf = x.double().requires_grad_()
     exact = _eager(leaf)
     exact.backward(grad.double())
