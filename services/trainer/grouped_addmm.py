@@ -27,12 +27,7 @@ from typing import Any
 import torch
 
 from services.trainer.probes import KernelProbe
-
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from services.trainer.triton_support import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 

@@ -33,12 +33,7 @@ import torch
 
 from services.trainer.attention import document_ids
 from services.trainer.probes import KernelProbe
-
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from services.trainer.triton_support import tl, triton
 
 _cache: dict[str, Any] = {"key": None, "positions": None, "tables": None, "tables_key": None}
 _original: Any = None

@@ -28,12 +28,7 @@ import torch
 from torch import nn
 
 from services.trainer.probes import KernelProbe
-
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from services.trainer.triton_support import tl, triton
 
 MAX_WIDTH = 16384
 """The widest row one program normalises (Qwen3-8B's hidden size is 4,096)."""

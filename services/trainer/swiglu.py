@@ -31,13 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.trainer.probes import KernelProbe
-
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from services.trainer.triton_support import libdevice, tl, triton
 
 BLOCK = 1024
 """Columns of one row per program (a row of Qwen3-8B's MLP has 12,288)."""

@@ -31,12 +31,7 @@ import torch.distributed as dist
 
 from services.trainer.parallel import tp_rank, tp_size
 from services.trainer.probes import KernelProbe
-
-try:  # Triton ships with CUDA builds of torch; the CPU path never needs it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU-only installs
-    triton = None
+from services.trainer.triton_support import tl, triton
 
 BLOCK = 2048
 """Vocabulary columns per iteration of one row's program."""
