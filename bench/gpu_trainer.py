@@ -123,9 +123,12 @@ class Bench(BenchRun):
         return TINY_LEN.get(n, max(2, n // 64)) if self.tiny else n
 
     def fits(self, workload: str) -> bool:
-        """Whether ``workload``'s tokens are within ``--max-tokens`` (all are without it)."""
+        """Whether ``workload``'s tokens are within ``--min-tokens`` and ``--max-tokens`` (all
+        are without them)."""
         _, doc_len, docs, _ = next(w for w in ENGINE_WORKLOADS if w[0] == workload)
-        return self.args.max_tokens is None or doc_len * docs <= self.args.max_tokens
+        tokens = doc_len * docs
+        low, high = self.args.min_tokens, self.args.max_tokens
+        return (low is None or tokens >= low) and (high is None or tokens <= high)
 
     def peak_reset(self) -> None:
         if self.cuda:
@@ -984,6 +987,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="skip workloads of more tokens (a card of less memory)"
     )
+    parser.add_argument("--min-tokens", type=int, default=None, help="skip workloads of fewer tokens")
     parser.add_argument(
         "--step-graph-max-tokens",
         type=int,
