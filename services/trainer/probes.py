@@ -49,3 +49,16 @@ class KernelProbe:
                 return self.compare(*key)
         except Exception as exc:  # any failure to build or run (Triton and torch raise several types)
             return f"failed: {type(exc).__name__}: {exc}"
+
+
+def beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor, absolute: float) -> str:
+    """How many values of ``got`` differ from ``ref`` by more than one rounding step of their
+    dtype (relative ``2**-mantissa``) plus ``absolute``, or where one is finite and the other
+    not, or a different infinity ("" if none does)."""
+    g, r = got.detach().double(), ref.detach().double()
+    step = torch.finfo(ref.dtype).eps  # one step of the mantissa at 1.0
+    close = g.isfinite() & r.isfinite() & ((g - r).abs() <= step * r.abs() + absolute)
+    bad = ~((g.isnan() & r.isnan()) | (g.isinf() & (g == r)) | close)
+    if not bool(bad.any()):
+        return ""
+    return f"{name}: {int(bad.sum())} of {got.numel()} values beyond one rounding step of the eager path"

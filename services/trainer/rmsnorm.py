@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.trainer.probes import KernelProbe
+from services.trainer.probes import KernelProbe, beyond_one_step
 from services.trainer.triton_support import tl, triton
 
 MAX_WIDTH = 16384
@@ -91,17 +91,10 @@ def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor) -> str:
-    """How many values of ``got`` differ from ``ref`` by more than one rounding step of their
-    dtype plus 1e-6 of ``ref``'s largest finite value, or where one is finite and the other not."""
-    g, r = got.detach().double(), ref.detach().double()
-    finite = r.isfinite()
-    scale = float(r[finite].abs().max()) if bool(finite.any()) else 0.0
-    slack = torch.finfo(ref.dtype).eps * r.abs() + 1e-6 * scale
-    close = g.isfinite() & finite & ((g - r).abs() <= slack)
-    bad = ~((g.isnan() & r.isnan()) | (g.isinf() & (g == r)) | close)
-    if not bool(bad.any()):
-        return ""
-    return f"{name}: {int(bad.sum())} of {got.numel()} values beyond one rounding step of the eager path"
+    """``probes.beyond_one_step`` with 1e-6 of ``ref``'s largest finite value as the absolute
+    slack (a row's sum of squares makes small values of a rounding's size)."""
+    finite = ref.detach().double()[ref.isfinite()]
+    return beyond_one_step(name, got, ref, 1e-6 * float(finite.abs().max()) if finite.numel() else 0.0)
 
 
 FUSED = KernelProbe("RMSNorm's Triton kernels", "torch.nn.RMSNorm", _mismatch)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.trainer.probes import KernelProbe
+from services.trainer.probes import KernelProbe, beyond_one_step
 from services.trainer.triton_support import libdevice, tl, triton
 
 BLOCK = 1024
@@ -76,23 +76,15 @@ def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
     got.backward(grad)
     ref.backward(grad)
     assert got_x.grad is not None and ref_x.grad is not None
-    parts = [beyond_one_step("forward", got, ref), beyond_one_step("backward", got_x.grad, ref_x.grad)]
+    tiny = torch.finfo(dtype).tiny
+    parts = [
+        beyond_one_step("forward", got, ref, tiny),
+        beyond_one_step("backward", got_x.grad, ref_x.grad, tiny),
+    ]
     return "; ".join(p for p in parts if p)
 
 
 FUSED = KernelProbe("SwiGLU's Triton kernels", "megatron's eager path", _mismatch)
-
-
-def beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor) -> str:
-    """How many values of ``got`` differ from ``ref`` by more than one rounding step of their
-    dtype (relative ``2**-mantissa``), or where one is finite and the other not ("" if none)."""
-    step = torch.finfo(ref.dtype).eps  # one step of the mantissa at 1.0
-    g, r = got.double(), ref.double()
-    finite_close = g.isfinite() & r.isfinite() & ((g - r).abs() <= step * r.abs() + torch.finfo(ref.dtype).tiny)
-    bad = ~((g.isnan() & r.isnan()) | (g.isinf() & (g == r)) | finite_close)
-    if not bool(bad.any()):
-        return ""
-    return f"{name}: {int(bad.sum())} of {got.numel()} values beyond one rounding step of the eager path"
 
 
 class _SwiGLUFunction(torch.autograd.Function):

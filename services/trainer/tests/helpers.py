@@ -241,3 +241,13 @@ def output_and_input_grad(
     y.backward(grad)
     assert leaf.grad is not None
     return y.detach(), leaf.grad
+
+
+def steps_apart(got: torch.Tensor, ref: torch.Tensor, absolute: float) -> torch.Tensor:
+    """Per value: whether ``got`` is more than one rounding step of ``ref``'s dtype plus
+    ``absolute`` from ``ref``, or non-finite where ``ref`` is not (or a different non-finite
+    value)."""
+    g, r = got.double(), ref.double()
+    same = (g.isnan() & r.isnan()) | (g.isinf() & (g == r))
+    close = g.isfinite() & r.isfinite() & ((g - r).abs() <= torch.finfo(ref.dtype).eps * r.abs() + absolute)
+    return ~(same | close)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from services.trainer import swiglu
 from services.trainer.engine import TrainerEngine
-from services.trainer.tests.helpers import output_and_input_grad
+from services.trainer.tests.helpers import output_and_input_grad, steps_apart
 
 cuda = pytest.mark.skipif(swiglu.triton is None or not torch.cuda.is_available(), reason="needs CUDA and Triton")
 
@@ -48,16 +48,6 @@ def test_every_layer_of_a_built_model_runs_the_swiglu_module(engines: dict[str, 
             assert isinstance(layer.mlp.activation_func, swiglu.SwiGLU)
 
 
-def _steps_apart(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per value: whether ``got`` is more than one rounding step of its dtype from ``ref``, or
-    non-finite where ``ref`` is not (or a different non-finite value)."""
-    step = torch.finfo(ref.dtype).eps
-    g, r = got.double(), ref.double()
-    same = (g.isnan() & r.isnan()) | (g.isinf() & (g == r))
-    close = g.isfinite() & r.isfinite() & ((g - r).abs() <= step * r.abs() + torch.finfo(ref.dtype).tiny)
-    return ~(same | close)
-
-
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_kernels_are_within_one_rounding_step_of_the_eager_path(dtype: torch.dtype) -> None:
@@ -68,8 +58,9 @@ def test_cuda_kernels_are_within_one_rounding_step_of_the_eager_path(dtype: torc
     assert swiglu.fused_supported(x)
     got, got_grad = output_and_input_grad(swiglu._SwiGLUFunction.apply, x, grad)
     ref, ref_grad = output_and_input_grad(_eager, x, grad)
-    assert int(_steps_apart(got, ref).sum()) == 0
-    assert int(_steps_apart(got_grad, ref_grad).sum()) == 0
+    tiny = torch.finfo(dtype).tiny
+    assert int(steps_apart(got, ref, tiny).sum()) == 0
+    assert int(steps_apart(got_grad, ref_grad, tiny).sum()) == 0
     assert got.isnan()[0, 0, 0] and got_grad.isnan()[1, 0, 0]
 
 
