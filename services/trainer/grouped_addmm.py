@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from services.trainer.probes import KernelProbe
+from services.trainer.probes import KernelProbe, beyond_one_step, largest_finite
 from services.trainer.triton_support import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
@@ -63,7 +63,8 @@ def _reference(base: torch.Tensor, h: torch.Tensor, b: torch.Tensor, offsets: to
 def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
     """Why the kernel may not serve this device ("" where, on 300 rows in five groups (one empty,
     one whose ``B`` holds a NaN), the sum is within one rounding step of the float64 one, the NaN
-    stays in its group's rows, and the gradients equal ``torch._grouped_mm``'s)."""
+    stays in its group's rows, and the gradients are within one rounding step (plus 1e-6 of the
+    largest) of ``torch._grouped_mm``'s)."""
     gen = torch.Generator(device=device).manual_seed(0)
     rows, n, k = 300, 200, 48
     offsets = torch.tensor([70, 70, 150, 229, rows], dtype=torch.int32, device=device)
@@ -88,15 +89,12 @@ def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
     g, e = got[outside].detach().double(), exact[outside]
     if not bool(((g - e).abs() <= step * e.abs() + 1e-6 * float(e.abs().max())).all()):
         return "sum differs from the exact one by more than one rounding step"
+    problems = []
     for name, mine, theirs in zip(("base", "h", "b"), leaves, refs, strict=True):
         assert mine.grad is not None and theirs.grad is not None
-        m, t = mine.grad.double(), theirs.grad.double()
-        if not torch.equal(m.isnan(), t.isnan()):
-            return f"gradient of {name} has NaN where torch._grouped_mm's has none, or the reverse"
-        m, t = m.nan_to_num(), t.nan_to_num()
-        if not bool(((m - t).abs() <= step * t.abs() + 1e-6 * float(t.abs().max())).all()):
-            return f"gradient of {name} differs from torch._grouped_mm's by more than one rounding step"
-    return ""
+        slack = 1e-6 * largest_finite(theirs.grad)
+        problems.append(beyond_one_step(f"gradient of {name}", mine.grad, theirs.grad, slack))
+    return "; ".join(p for p in problems if p)
 
 
 FUSED = KernelProbe("grouped_addmm's Triton kernel", "torch._grouped_mm and an addition", _mismatch)

@@ -51,6 +51,12 @@ class KernelProbe:
             return f"failed: {type(exc).__name__}: {exc}"
 
 
+def largest_finite(t: torch.Tensor) -> float:
+    """The largest finite ``|value|`` of ``t`` (0 where none is finite)."""
+    finite = t.detach().double()[t.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
 def beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor, absolute: float) -> str:
     """How many values of ``got`` differ from ``ref`` by more than one rounding step of their
     dtype (relative ``2**-mantissa``) plus ``absolute``, or where one is finite and the other

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.trainer.probes import KernelProbe, beyond_one_step
+from services.trainer.probes import KernelProbe, beyond_one_step, largest_finite
 from services.trainer.triton_support import tl, triton
 
 MAX_WIDTH = 16384
@@ -84,17 +84,10 @@ def _mismatch(device: torch.device, dtype: torch.dtype) -> str:
         ref.backward(grad)
         assert got_x.grad is not None and ref_x.grad is not None
         problems += [
-            _beyond_one_step(f"forward ({width} wide)", got, ref),
-            _beyond_one_step(f"backward ({width} wide)", got_x.grad, ref_x.grad),
+            beyond_one_step(f"forward ({width} wide)", got, ref, 1e-6 * largest_finite(ref)),
+            beyond_one_step(f"backward ({width} wide)", got_x.grad, ref_x.grad, 1e-6 * largest_finite(ref_x.grad)),
         ]
     return "; ".join(p for p in problems if p)
-
-
-def _beyond_one_step(name: str, got: torch.Tensor, ref: torch.Tensor) -> str:
-    """``probes.beyond_one_step`` with 1e-6 of ``ref``'s largest finite value as the absolute
-    slack (a row's sum of squares makes small values of a rounding's size)."""
-    finite = ref.detach().double()[ref.isfinite()]
-    return beyond_one_step(name, got, ref, 1e-6 * float(finite.abs().max()) if finite.numel() else 0.0)
 
 
 FUSED = KernelProbe("RMSNorm's Triton kernels", "torch.nn.RMSNorm", _mismatch)

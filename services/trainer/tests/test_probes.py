@@ -56,3 +56,20 @@ def test_the_comparison_runs_with_autograd_inside_a_forward_only_call(context: t
     probe = KernelProbe("the test kernel", "the eager path", compare)
     with context():
         assert probe.usable()
+
+
+def test_beyond_one_step_counts_values_past_one_rounding_step_and_misplaced_non_finites() -> None:
+    """Against bf16 values near 1 (one step: 2**-7): a value one step off passes, one two steps
+    off is counted, as is a NaN where the reference is finite; matching NaN and infinities pass,
+    and the absolute slack widens the bound for values near 0."""
+    from services.trainer.probes import beyond_one_step
+
+    step = 2.0**-7
+    ref = torch.tensor([1.0, 1.0, 1.0, float("nan"), float("inf"), 0.0, 0.0], dtype=torch.bfloat16)
+    got = torch.tensor([1 + step, 1 + 2 * step, float("nan"), float("nan"), float("inf"), 1e-3, 0.0])
+    assert beyond_one_step("x", got.to(torch.bfloat16), ref, 0.0) == (
+        "x: 3 of 7 values beyond one rounding step of the eager path"
+    )
+    assert beyond_one_step("x", got.to(torch.bfloat16), ref, 2e-3) == (
+        "x: 2 of 7 values beyond one rounding step of the eager path"
+    )
