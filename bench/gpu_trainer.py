@@ -335,10 +335,12 @@ class Bench(BenchRun):
         except Exception:
             self.results.error(key, traceback.format_exc())
             self.log("!!", key, traceback.format_exc().splitlines()[-1])
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
-            return None
+        # Outside the handler: while it runs, the exception's traceback keeps the failed step's
+        # frames, and their tensors, alive, and a collection there frees none of them.
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        return None
 
     def measure(self, fn: Callable[[], Any], lens: list[int]) -> dict[str, Any]:
         self.peak_reset()
