@@ -345,7 +345,9 @@ class SlotAdapter(nn.Module):
         self.rows = rows
         self.max_rank = max_rank
         self.parts = target.num_parts
-        self._input: torch.Tensor | None = None  # x, where pre_hook handed the base linear x detached
+        # (x, its sole slot or None for the grouped matmuls), where pre_hook handed the base linear
+        # x detached
+        self._input: tuple[torch.Tensor, int | None] | None = None
         # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
         self.a_name, self.b_name = f"{target.path}.lora_A", f"{target.path}.lora_B"
         self.a_shape, self.b_shape = self.shapes(target, num_slots, max_rank)
@@ -599,26 +601,23 @@ class SlotAdapter(nn.Module):
         ``_AdaptedLinear`` or ``_GroupedAdaptedLinear``; otherwise nothing changes."""
         x = args[0]
         self._input = None
-        if (
-            tp_size() == 1
-            and torch.is_grad_enabled()
-            and x.requires_grad
-            and (self.sole_slot(x) is not None or self.grouped(x))
-        ):
-            self._input = x
-            return (x.detach(), *args[1:]), kwargs
+        if tp_size() == 1 and torch.is_grad_enabled() and x.requires_grad:
+            slot = self.sole_slot(x)
+            if slot is not None or self.grouped(x):
+                self._input = (x, slot)
+                return (x.detach(), *args[1:]), kwargs
         return None
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         base, bias = output
-        x, self._input = self._input, None
-        if x is None:
+        handed_input, self._input = self._input, None
+        if handed_input is None:
             return self.adapt(args[0], base), bias
+        x, slot = handed_input
         handed = kwargs.get("weight")  # the output layer may be handed its (tied) weight
         weight: torch.Tensor = module.weight if handed is None else handed  # type: ignore[assignment]
         rows = x.reshape(x.shape[0], x.shape[-1])
         flat = base.reshape(rows.shape[0], -1)
-        slot = self.sole_slot(x)
         if slot is None:  # the grouped matmuls (pre_hook)
             return self._grouped(rows, lambda t: t, flat, weight).view_as(base), bias
         rank = self.routing.configs[slot].rank
