@@ -193,6 +193,11 @@ class SlotRouting:
         # A static step's slots, named by device tensors instead of numbers (``StaticRouting``)
         self.static: StaticRouting | None = None
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
+        # Per adapter (``id``), the input its ``pre_hook`` kept from the base linear for its
+        # ``hook``: (x, its sole slot or None for the grouped matmuls, base_in_epilogue). Dropped
+        # with the forward's segments, so a forward that fails between the two hooks (out of
+        # memory) keeps no activations, and their autograd graph, alive into the next one.
+        self.handed_inputs: dict[int, tuple[torch.Tensor, int | None, bool]] = {}
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
 
@@ -204,6 +209,7 @@ class SlotRouting:
     def segments(self, value: list[Segment]) -> None:
         self._segments = value
         self.generation += 1
+        self.handed_inputs = {}
 
     def group_layout(self, group: str, x: torch.Tensor) -> GroupLayout:
         """Every segment as one group of a grouped matmul, for the adapters of ``group``.
@@ -347,9 +353,6 @@ class SlotAdapter(nn.Module):
         self.rows = rows
         self.max_rank = max_rank
         self.parts = target.num_parts
-        # (x, its sole slot or None for the grouped matmuls, base_in_epilogue), where pre_hook
-        # handed the base linear x detached (or no rows of it)
-        self._input: tuple[torch.Tensor, int | None, bool] | None = None
         # (slots, parts, r_max, in) and (slots, out, r_max); fp32 whatever the model's dtype
         self.a_name, self.b_name = f"{target.path}.lora_A", f"{target.path}.lora_B"
         self.a_shape, self.b_shape = self.shapes(target, num_slots, max_rank)
@@ -606,7 +609,7 @@ class SlotAdapter(nn.Module):
         the hook computes the base product too, so the base gets no rows at all; elsewhere it
         gets them only where ``x`` needs a gradient, and otherwise nothing changes."""
         x = args[0]
-        self._input = None
+        self.routing.handed_inputs.pop(id(self), None)
         if tp_size() != 1:
             return None
         fused = base_in_epilogue(module, x)
@@ -615,13 +618,13 @@ class SlotAdapter(nn.Module):
         slot = self.sole_slot(x)
         if slot is None and not self.grouped(x):
             return None
-        self._input = (x, slot, fused)
+        self.routing.handed_inputs[id(self)] = (x, slot, fused)
         given = x.detach()
         return (given[:0] if fused else given, *args[1:]), kwargs
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         base, bias = output
-        handed_input, self._input = self._input, None
+        handed_input = self.routing.handed_inputs.pop(id(self), None)
         if handed_input is None:
             return self.adapt(args[0], base), bias
         x, slot, fused = handed_input

@@ -393,3 +393,30 @@ def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_
         only_lp, _ = run(batch, forward_only=True)
         assert calls.count("forward") == linears
         np.testing.assert_array_equal(only_lp, got_lp)
+
+
+def test_a_forward_failing_inside_a_base_linear_leaves_no_activations_held(
+    engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fails inside a frozen linear, after its adapter's pre_hook kept the input for
+    the hook that never runs (out of memory, say): once the call has raised, no adapter holds an
+    input (nor, through it, the failed step's autograd graph), and the next step's
+    log-probabilities equal those of the same step before the failure, bit for bit."""
+    randomize_slot(engine, 0, LoraConfig(rank=4, seed=1), seed=50)
+    rng = np.random.default_rng(6)
+    batch = [ce_datum(rng, 0, 9), ce_datum(rng, 0, 5)]
+    before = np.concatenate([o.logprobs for o in engine.forward_backward(batch, "cross_entropy", forward_only=True)])
+    fc1 = engine.model.decoder.layers[1].mlp.linear_fc1
+
+    def out_of_memory(*args: object, **kwargs: object) -> object:
+        assert engine.pool.routing.handed_inputs, "the pre_hook kept this linear's input"
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(fc1, "forward", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.forward_backward(batch, "cross_entropy")
+    assert engine.pool.routing.handed_inputs == {}
+    monkeypatch.undo()
+    after = np.concatenate([o.logprobs for o in engine.forward_backward(batch, "cross_entropy", forward_only=True)])
+    np.testing.assert_array_equal(after, before)
+    engine.discard_grads(0)
