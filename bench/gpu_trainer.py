@@ -364,7 +364,6 @@ class Bench(BenchRun):
     def engine(self) -> None:
         from megatron.core.transformer.enums import AttnMaskType
 
-        from services.trainer import lora
         from services.trainer.attention import ATTENTION_BACKENDS
         from services.trainer.engine import AdamParams, LoraConfig, resolve_backend
 
@@ -442,19 +441,6 @@ class Bench(BenchRun):
             for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
                     run(name, doc_len, docs, tenants, label=f"{backend} eager")
-
-        # The same workloads with each adapted linear's base product in the frozen linear, the
-        # LoRA GEMM adding onto its output ("<backend> base-in-linear"), against the default's
-        # base product that adds the LoRA term in its epilogue (lora.base_in_epilogue).
-        if self.cuda:
-            epilogue_devices = lora.BASE_IN_EPILOGUE_DEVICES
-            lora.BASE_IN_EPILOGUE_DEVICES = frozenset()
-            try:
-                for name in by_name:
-                    if self.fits(name) and self.time_left() > self.reserve_s + 40:
-                        run(*by_name[name], label=f"{backend} base-in-linear")
-            finally:
-                lora.BASE_IN_EPILOGUE_DEVICES = epilogue_devices
 
         default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():

@@ -349,52 +349,6 @@ def test_a_grouped_step_forms_every_needed_input_gradient_inside_the_grouped_nod
         assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
 
 
-def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_path(
-    engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``base_in_epilogue`` (CUDA's default) taken on the CPU: every adapted linear of a one-slot
-    and of a grouped step of three slots, forward_only included, computes its base product itself
-    (``_AdaptedLinear`` / ``_GroupedAdaptedLinear`` once per linear and call, the first layer's
-    qkv too), and the log-probabilities and every slot's gradients equal the frozen linear's path
-    within fp32 rounding (1e-5 of each tensor's largest entry); forward_only's log-probabilities
-    equal forward_backward's bit for bit."""
-    from services.trainer import lora
-
-    configs = {0: LoraConfig(rank=4, seed=1), 1: LoraConfig(rank=2, seed=2), 2: LoraConfig(rank=4, seed=3, train_mlp=False)}
-    for slot, config in configs.items():
-        randomize_slot(engine, slot, config, seed=40 + slot)
-    rng = np.random.default_rng(5)
-    one_slot = [ce_datum(rng, 0, 9), ce_datum(rng, 0, 5)]
-    grouped = [ce_datum(rng, slot, n) for slot, n in ((2, 7), (0, 9), (1, 5), (0, 4))]
-
-    def run(batch: list, forward_only: bool = False) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
-        engine.pool.routing.stacked = True
-        try:
-            outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
-        finally:
-            engine.pool.routing.stacked = False
-        grads = {(slot, k): v.clone() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
-        for slot in configs:
-            engine.discard_grads(slot)
-        return np.concatenate([o.logprobs for o in outs]), grads
-
-    wants = [run(one_slot), run(grouped)]
-    monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda", "cpu"}))
-    one_calls = _count_calls(monkeypatch, lora._AdaptedLinear)
-    grouped_calls = _count_calls(monkeypatch, lora._GroupedAdaptedLinear)
-    linears = 4 * engine.shape.num_layers + 1  # and the output layer
-    for batch, (want_lp, want_grads), calls in zip((one_slot, grouped), wants, (one_calls, grouped_calls), strict=True):
-        got_lp, got_grads = run(batch)
-        assert calls.count("forward") == linears and calls.count("backward") == linears
-        np.testing.assert_allclose(got_lp, want_lp, rtol=1e-5, atol=1e-5)
-        for key, want in want_grads.items():
-            assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
-        calls.clear()
-        only_lp, _ = run(batch, forward_only=True)
-        assert calls.count("forward") == linears
-        np.testing.assert_array_equal(only_lp, got_lp)
-
-
 def test_a_forward_failing_inside_a_base_linear_leaves_no_activations_held(
     engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
