@@ -364,6 +364,7 @@ class Bench(BenchRun):
     def engine(self) -> None:
         from megatron.core.transformer.enums import AttnMaskType
 
+        from services.trainer import lora
         from services.trainer.attention import ATTENTION_BACKENDS
         from services.trainer.engine import AdamParams, LoraConfig, resolve_backend
 
@@ -441,6 +442,19 @@ class Bench(BenchRun):
             for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
                     run(name, doc_len, docs, tenants, label=f"{backend} eager")
+
+        # The same workloads with each adapted linear's base product computed by its adapter, the
+        # LoRA term added in the base GEMM's epilogue ("<backend> base-in-epilogue",
+        # lora.base_in_epilogue), against the default's frozen linear that the LoRA GEMM adds onto.
+        if self.cuda:
+            epilogue_devices = lora.BASE_IN_EPILOGUE_DEVICES
+            lora.BASE_IN_EPILOGUE_DEVICES = frozenset({"cuda"})
+            try:
+                for name in by_name:
+                    if self.fits(name) and self.time_left() > self.reserve_s + 40:
+                        run(*by_name[name], label=f"{backend} base-in-epilogue")
+            finally:
+                lora.BASE_IN_EPILOGUE_DEVICES = epilogue_devices
 
         default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():

@@ -56,10 +56,12 @@ masking: ``0 * inf`` is NaN, so a mask lets one tenant whose loss overflows turn
 tenant's gradients into NaN.  A slot's gradients are therefore bit-identical whatever the other
 slots of the batch hold (``services/trainer/tests/test_isolation.py``).
 
-Input gradients: at TP=1, where one slot covers a step and an adapted linear's input needs a
-gradient, the frozen base linear is handed its input detached (``SlotAdapter.pre_hook``) and
-``_AdaptedLinear`` forms the input's whole gradient, base and LoRA parts in one GEMM and its
-epilogue, instead of autograd adding two of them.
+Base products and input gradients: at TP=1, where one slot covers a step (``_AdaptedLinear``) or
+the grouped matmuls serve several (``_GroupedAdaptedLinear``), the adapter computes the adapted
+linear's output and its input's whole gradient itself (``SlotAdapter.pre_hook`` hands the frozen
+linear its input detached): the base and LoRA parts of each in one GEMM and its epilogue, instead
+of autograd adding two gradients. Where ``base_in_epilogue`` holds (opt-in) the frozen linear is handed no
+rows at all, and the base GEMM adds the LoRA term, written first, as it writes its output.
 
 Invariant: adapters attach to the model by forward hooks and live in ``AdapterPool`` (never in
 the model's own parameters); a slot that is not initialised, and a module its config disables,
@@ -191,11 +193,11 @@ class SlotRouting:
         # A static step's slots, named by device tensors instead of numbers (``StaticRouting``)
         self.static: StaticRouting | None = None
         self.stacked = False  # several slots at once: one grouped matmul (GPU) or per-segment (CPU)
-        # Per adapter (``id``), the input its ``pre_hook`` handed the base linear detached, for its
-        # ``hook``: (x, its sole slot or None for the grouped matmuls). Dropped with the forward's
-        # segments, so a forward that fails between the two hooks (out of memory) keeps no
-        # activations, and their autograd graph, alive into the next one.
-        self.handed_inputs: dict[int, tuple[torch.Tensor, int | None]] = {}
+        # Per adapter (``id``), the input its ``pre_hook`` kept from the base linear for its
+        # ``hook``: (x, its sole slot or None for the grouped matmuls, base_in_epilogue). Dropped
+        # with the forward's segments, so a forward that fails between the two hooks (out of
+        # memory) keeps no activations, and their autograd graph, alive into the next one.
+        self.handed_inputs: dict[int, tuple[torch.Tensor, int | None, bool]] = {}
         self._groups: dict[tuple[Any, ...], GroupLayout] = {}
         self._groups_for: list[Segment] | None = None
 
@@ -486,7 +488,7 @@ class SlotAdapter(nn.Module):
         self,
         rows: torch.Tensor,
         region: Callable[[torch.Tensor], torch.Tensor],
-        base: torch.Tensor,
+        base: torch.Tensor | None,
         weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``base`` ([T, out]) plus the LoRA term, both factors as grouped matmuls over the
@@ -494,8 +496,9 @@ class SlotAdapter(nn.Module):
         the second factor's kernel is ``grouped_addmm``'s, which adds ``base`` as it writes;
         elsewhere the sum is a separate addition (one ``addmm`` per segment instead, measured
         on the H200 at 16x256 of 8 tenants, cost the host more launches than the addition costs
-        the GPU). With ``weight`` (the frozen linear's, which computed ``base`` from ``rows``
-        detached; TP=1), ``_GroupedAdaptedLinear`` forms ``rows``' whole gradient.
+        the GPU). With ``weight`` (the frozen linear's; TP=1), ``_GroupedAdaptedLinear`` forms
+        ``rows``' whole gradient, and with ``base`` None (``base_in_epilogue``) the base product
+        ``rows Wᵀ`` too, adding the grouped LoRA term in its epilogue.
 
         Only the largest active rank ``r`` is used (every slot's rows/columns past its rank are
         zero, part by part), and ``parts*r`` is rounded up to a multiple of 16 bytes (the
@@ -550,6 +553,7 @@ class SlotAdapter(nn.Module):
         b = _ToRows.apply(self.lora_B, b, b_sink)
         if weight is not None:
             return _GroupedAdaptedLinear.apply(rows, base, weight, a, b, layout.offsets)  # [T, out]
+        assert base is not None, "only the hook's path (with weight) computes the base product"
         h = region(torch._grouped_mm(rows, a.transpose(1, 2), offs=layout.offsets))  # [T, w]
         if grouped_addmm.fused_supported(h):
             return grouped_addmm.grouped_addmm(base, h, b, layout.offsets)  # [T, out]
@@ -598,34 +602,68 @@ class SlotAdapter(nn.Module):
         return None
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Before the base linear: where one slot covers the batch, or the grouped matmuls serve
-        several, at TP=1 and ``x`` needs a gradient, the base gets ``x`` detached (its frozen
-        weight then records no backward) and the hook forms ``x``'s whole gradient in
-        ``_AdaptedLinear`` or ``_GroupedAdaptedLinear``; otherwise nothing changes."""
+        """Before the base linear, at TP=1, where one slot covers the batch or the grouped matmuls
+        serve several: the hook computes the adapted output itself (``_AdaptedLinear``,
+        ``_GroupedAdaptedLinear``), which then forms ``x``'s whole gradient, so the base gets ``x``
+        detached (its frozen weight records no backward). Where ``base_in_epilogue`` holds (opt-in)
+        the hook computes the base product too, so the base gets no rows at all; elsewhere it
+        gets them only where ``x`` needs a gradient, and otherwise nothing changes."""
         x = args[0]
         self.routing.handed_inputs.pop(id(self), None)
-        if tp_size() == 1 and torch.is_grad_enabled() and x.requires_grad:
-            slot = self.sole_slot(x)
-            if slot is not None or self.grouped(x):
-                self.routing.handed_inputs[id(self)] = (x, slot)
-                return (x.detach(), *args[1:]), kwargs
-        return None
+        if tp_size() != 1:
+            return None
+        fused = base_in_epilogue(module, x)
+        if not (fused or (torch.is_grad_enabled() and x.requires_grad)):
+            return None
+        slot = self.sole_slot(x)
+        if slot is None and not self.grouped(x):
+            return None
+        self.routing.handed_inputs[id(self)] = (x, slot, fused)
+        given = x.detach()
+        return (given[:0] if fused else given, *args[1:]), kwargs
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         base, bias = output
         handed_input = self.routing.handed_inputs.pop(id(self), None)
         if handed_input is None:
             return self.adapt(args[0], base), bias
-        x, slot = handed_input
+        x, slot, fused = handed_input
         handed = kwargs.get("weight")  # the output layer may be handed its (tied) weight
         weight: torch.Tensor = module.weight if handed is None else handed  # type: ignore[assignment]
         rows = x.reshape(x.shape[0], x.shape[-1])
-        flat = base.reshape(rows.shape[0], -1)
+        flat = None if fused else base.reshape(rows.shape[0], -1)
         if slot is None:  # the grouped matmuls (pre_hook)
-            return self._grouped(rows, lambda t: t, flat, weight).view_as(base), bias
-        rank = self.routing.configs[slot].rank
-        a, b = self._a(slot, rank, x.dtype), self._b(slot, rank, x.dtype)
-        return _AdaptedLinear.apply(rows, flat, weight, a, b).view_as(base), bias
+            out = self._grouped(rows, lambda t: t, flat, weight)
+        else:
+            rank = self.routing.configs[slot].rank
+            a, b = self._a(slot, rank, x.dtype), self._b(slot, rank, x.dtype)
+            out = _AdaptedLinear.apply(rows, flat, weight, a, b)
+        # [T, 1, out] with the canonical strides (see ``adapt``)
+        return out.view(*x.shape[:-1], out.shape[-1]), bias
+
+
+BASE_IN_EPILOGUE_DEVICES: frozenset[str] = frozenset()
+"""Device types on which ``base_in_epilogue`` holds: none by default. The path is checked on the
+CPU (``test_lora_shape.py -k epilogue``); on CUDA, ``bench/gpu_trainer.py`` times it beside the
+default (its ``base-in-epilogue`` rows) and ``test_lora_shape.py -k cuda`` checks it against fp32."""
+
+
+def base_in_epilogue(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the adapter computes ``module``'s base product itself, in the epilogue of its LoRA
+    GEMM: on the devices of ``BASE_IN_EPILOGUE_DEVICES``, for megatron's own bias-free linears.
+    Their output ``x Wᵀ + (x Aᵀ) Bᵀ`` is then one base GEMM that adds the LoRA term (written first,
+    by the rank-``r`` GEMM) as it writes, where the frozen linear's output is otherwise written,
+    read back and written again by the LoRA GEMM that adds onto it; the input gradient ``g W +
+    (g B) A`` likewise, ``(g B) A`` first. One rounding of the LoRA term, then one of the sum
+    (otherwise: one of ``x Wᵀ``, then one of the sum). On a CPU the default order also keeps a
+    slot's training bit-identical however its units are composed (``test_slot_isolation.py``)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return (
+        x.device.type in BASE_IN_EPILOGUE_DEVICES
+        and isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        and getattr(module, "bias", None) is None
+    )
 
 
 @dataclass(frozen=True)
@@ -668,54 +706,71 @@ class _ToRows(torch.autograd.Function):
 
 
 class _AdaptedLinear(torch.autograd.Function):
-    """``base + (x A^T) B^T`` (``x [T, in]``, ``A [w, in]``, ``B [out, w]``) for a ``base`` that the
-    frozen linear computed from ``x`` detached, so this backward forms ``x``'s whole gradient:
-    ``g W`` with the LoRA part ``(g B) A`` added in the same GEMM's epilogue (``addmm_``), instead
-    of two ``[T, in]`` gradients that autograd then adds in a kernel of its own (one per adapted
-    linear and step: a fifth of the elementwise time of a 4,096-token step of the 8B shape). The
-    arithmetic is the one-slot path's, with ``g W``'s rounding folded into the sum."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, base: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-    ) -> torch.Tensor:
-        h = x @ a.t()  # [T, w]
-        ctx.save_for_backward(x, h, weight, a, b)
-        return torch.addmm(base, h, b.t())
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, torch.Tensor, torch.Tensor]:
-        x, h, weight, a, b = ctx.saved_tensors
-        dh = g @ b  # [T, w]
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = (g @ weight).addmm_(dh, a)  # g W + dh A
-        return dx, g, None, dh.t() @ x, g.t() @ h
-
-
-class _GroupedAdaptedLinear(torch.autograd.Function):
-    """``_AdaptedLinear`` for the grouped matmuls of a step of several slots (TP=1): ``base +
-    (x A_gᵀ) B_gᵀ``, each group ``g`` of rows (``offsets``: the groups' ends) by its own ``A_g
-    [w, in]`` and ``B_g [out, w]`` (``grouped_addmm`` adding ``base`` on CUDA), for a ``base``
-    the frozen linear computed from ``x`` detached. The backward forms ``x``'s whole gradient:
-    the LoRA part ``(g B_g) A_g`` by a grouped matmul, then, on CUDA, ``g W`` added onto it in one
-    GEMM's epilogue (``addmm_``), where autograd would add two ``[T, in]`` gradients in a kernel of
-    its own. On the CPU the sum keeps the one-slot path's order (``g W`` first), so that a slot's
-    training stays bit-identical however its units are composed (``test_slot_isolation.py``).
-    The factors' gradients are ``torch._grouped_mm``'s own, in the same calls."""
+    """``x Wᵀ + (x Aᵀ) Bᵀ`` (``x [T, in]``, ``A [w, in]``, ``B [out, w]``, ``W`` the frozen
+    linear's weight). With ``base`` None (``base_in_epilogue``) the LoRA term is written first and
+    the base GEMM adds its product onto it in its epilogue; otherwise ``base`` is the frozen
+    linear's own ``x Wᵀ`` (computed from ``x`` detached) and the LoRA GEMM adds onto it. Either
+    way this backward forms ``x``'s whole gradient ``g W + (g B) A`` in one GEMM and its epilogue
+    (in the forward's order), instead of two ``[T, in]`` gradients that autograd then adds in a
+    kernel of its own (one per adapted linear and step: a fifth of the elementwise time of a
+    4,096-token step of the 8B shape)."""
 
     @staticmethod
     def forward(
         ctx: Any,
         x: torch.Tensor,
-        base: torch.Tensor,
+        base: torch.Tensor | None,
+        weight: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+    ) -> torch.Tensor:
+        h = x @ a.t()  # [T, w]
+        ctx.save_for_backward(x, h, weight, a, b)
+        ctx.base_in_epilogue = base is None
+        if base is None:
+            return (h @ b.t()).addmm_(x, weight.t())
+        return torch.addmm(base, h, b.t())
+
+    @staticmethod
+    def backward(
+        ctx: Any, g: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, torch.Tensor, torch.Tensor]:
+        x, h, weight, a, b = ctx.saved_tensors
+        dh = g @ b  # [T, w]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (dh @ a).addmm_(g, weight) if ctx.base_in_epilogue else (g @ weight).addmm_(dh, a)
+        return dx, None if ctx.base_in_epilogue else g, None, dh.t() @ x, g.t() @ h
+
+
+class _GroupedAdaptedLinear(torch.autograd.Function):
+    """``_AdaptedLinear`` for the grouped matmuls of a step of several slots (TP=1): ``x Wᵀ +
+    (x A_gᵀ) B_gᵀ``, each group ``g`` of rows (``offsets``: the groups' ends, the last one the
+    stream's) by its own ``A_g [w, in]`` and ``B_g [out, w]``. With ``base`` None
+    (``base_in_epilogue``) the grouped LoRA term is written first and the base GEMM adds onto it;
+    otherwise ``base`` is the frozen linear's ``x Wᵀ`` and ``grouped_addmm`` adds it on CUDA. The
+    backward forms ``x``'s whole gradient: the LoRA part ``(g B_g) A_g`` by a grouped matmul,
+    then, on CUDA, ``g W`` added onto it in one GEMM's epilogue (``addmm_``), where autograd would
+    add two ``[T, in]`` gradients in a kernel of its own. On the CPU the sum keeps the one-slot
+    path's order (``g W`` first), so that a slot's training stays bit-identical however its units
+    are composed (``test_slot_isolation.py``). The factors' gradients are ``torch._grouped_mm``'s
+    own, in the same calls."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        base: torch.Tensor | None,
         weight: torch.Tensor,
         a: torch.Tensor,
         b: torch.Tensor,
         offsets: torch.Tensor,
     ) -> torch.Tensor:
         h = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)  # [T, w]
-        if grouped_addmm.fused_supported(h):
+        ctx.base_in_epilogue = base is None
+        if base is None:  # every row lies in a group, so the grouped product writes every row
+            out = torch._grouped_mm(h, b.transpose(1, 2), offs=offsets).addmm_(x, weight.t())
+        elif grouped_addmm.fused_supported(h):
             out = grouped_addmm.grouped_addmm(base, h, b, offsets)
         else:
             out = base + torch._grouped_mm(h, b.transpose(1, 2), offs=offsets).to(base.dtype)
@@ -723,19 +778,21 @@ class _GroupedAdaptedLinear(torch.autograd.Function):
         return out  # [T, out]
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None, Any, Any, None]:
+    def backward(
+        ctx: Any, g: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, Any, Any, None]:
         x, h, weight, a, b, offsets = ctx.saved_tensors
         dh = torch._grouped_mm(g, b, offs=offsets)  # [T, w]
         dx = None
         if ctx.needs_input_grad[0]:
             lora_part = torch._grouped_mm(dh, a, offs=offsets)  # [T, in]: dh A_g
-            if g.is_cuda:  # g W added onto it in the GEMM's epilogue: no [T, in] addition
+            if ctx.base_in_epilogue or g.is_cuda:  # g W added onto it in the GEMM's epilogue
                 dx = lora_part.addmm_(g, weight)
             else:  # g W first, as the one-slot path sums: a slot's bits do not depend on its neighbours
                 dx = (g @ weight).add_(lora_part)
         da = torch._grouped_mm(x.t(), dh, offs=offsets).transpose(1, 2)  # [G, w, in]
         db = torch._grouped_mm(h.t(), g, offs=offsets).transpose(1, 2)  # [G, out, w]
-        return dx, g, None, da, db, None
+        return dx, None if ctx.base_in_epilogue else g, None, da, db, None
 
 
 class PooledRows:

@@ -349,6 +349,112 @@ def test_a_grouped_step_forms_every_needed_input_gradient_inside_the_grouped_nod
         assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
 
 
+def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_path(
+    engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``base_in_epilogue`` (opt-in) taken on the CPU: every adapted linear of a one-slot
+    and of a grouped step of three slots, forward_only included, computes its base product itself
+    (``_AdaptedLinear`` / ``_GroupedAdaptedLinear`` once per linear and call, the first layer's
+    qkv too), and the log-probabilities and every slot's gradients equal the frozen linear's path
+    within fp32 rounding (1e-5 of each tensor's largest entry); forward_only's log-probabilities
+    equal forward_backward's bit for bit."""
+    from services.trainer import lora
+
+    configs = {0: LoraConfig(rank=4, seed=1), 1: LoraConfig(rank=2, seed=2), 2: LoraConfig(rank=4, seed=3, train_mlp=False)}
+    for slot, config in configs.items():
+        randomize_slot(engine, slot, config, seed=40 + slot)
+    rng = np.random.default_rng(5)
+    one_slot = [ce_datum(rng, 0, 9), ce_datum(rng, 0, 5)]
+    grouped = [ce_datum(rng, slot, n) for slot, n in ((2, 7), (0, 9), (1, 5), (0, 4))]
+
+    def run(batch: list, forward_only: bool = False) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
+        engine.pool.routing.stacked = True
+        try:
+            outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
+        finally:
+            engine.pool.routing.stacked = False
+        grads = {(slot, k): v.clone() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
+        for slot in configs:
+            engine.discard_grads(slot)
+        return np.concatenate([o.logprobs for o in outs]), grads
+
+    wants = [run(one_slot), run(grouped)]
+    monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda", "cpu"}))
+    one_calls = _count_calls(monkeypatch, lora._AdaptedLinear)
+    grouped_calls = _count_calls(monkeypatch, lora._GroupedAdaptedLinear)
+    linears = 4 * engine.shape.num_layers + 1  # and the output layer
+    for batch, (want_lp, want_grads), calls in zip((one_slot, grouped), wants, (one_calls, grouped_calls), strict=True):
+        got_lp, got_grads = run(batch)
+        assert calls.count("forward") == linears and calls.count("backward") == linears
+        np.testing.assert_allclose(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+        for key, want in want_grads.items():
+            assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
+        calls.clear()
+        only_lp, _ = run(batch, forward_only=True)
+        assert calls.count("forward") == linears
+        np.testing.assert_array_equal(only_lp, got_lp)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen_linears(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-slot step and a grouped step of three slots on a bf16 CUDA engine, with
+    ``base_in_epilogue`` and without, each against the same step of a float32 engine: with it,
+    the largest logprob error is at most twice the default's and each slot's gradient error (its
+    tensors as one vector) at most 1.5 times (each plus 1e-3 of the reference's size), and
+    forward_only's log-probabilities equal forward_backward's bit for bit."""
+    from services.trainer import lora
+    from services.trainer.engine import EngineConfig
+
+    def build(dtype: torch.dtype, backend: str = "auto") -> TrainerEngine:
+        config = EngineConfig(
+            str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", dtype=dtype, attention_backend=backend,
+            step_graphs=False,
+        )  # fmt: skip
+        return TrainerEngine(config)
+
+    cuda, fp32 = build(torch.bfloat16), build(torch.float32, "sdpa_per_document")  # FlashAttention takes no fp32
+    configs = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
+    for engine in (cuda, fp32):
+        for slot, config in configs.items():
+            randomize_slot(engine, slot, config, seed=60 + slot)
+    rng = np.random.default_rng(7)
+    batches = [
+        [ce_datum(rng, 0, n) for n in (64, 40, 24)],
+        [ce_datum(rng, slot, n) for slot, n in ((2, 40), (0, 64), (1, 24), (2, 16), (0, 8))],
+    ]
+
+    def run(engine: TrainerEngine, batch: list, forward_only: bool = False) -> tuple[np.ndarray, dict]:
+        engine.pool.routing.stacked = True
+        try:
+            outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
+        finally:
+            engine.pool.routing.stacked = False
+        grads = {(slot, k): v.float().cpu() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
+        for slot in configs:
+            engine.discard_grads(slot)
+        return np.concatenate([o.logprobs for o in outs]), grads
+
+    for batch in batches:
+        ref_lp, ref_grads = run(fp32, batch)
+        default_lp, default_grads = run(cuda, batch)
+        monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda"}))
+        got_lp, got_grads = run(cuda, batch)
+        only_lp, _ = run(cuda, batch, forward_only=True)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(only_lp, got_lp)
+        scale = float(np.abs(ref_lp).max())
+        assert np.abs(got_lp - ref_lp).max() <= 2 * np.abs(default_lp - ref_lp).max() + 1e-3 * scale
+        for slot in {d.slot for d in batch}:
+            keys = [key for key in ref_grads if key[0] == slot]
+            ref = torch.cat([ref_grads[key].flatten() for key in keys])
+            default_error = torch.linalg.vector_norm(torch.cat([default_grads[key].flatten() for key in keys]) - ref)
+            error = torch.linalg.vector_norm(torch.cat([got_grads[key].flatten() for key in keys]) - ref)
+            assert float(error) <= 1.5 * float(default_error) + 1e-3 * float(torch.linalg.vector_norm(ref)), slot
+
+
 def test_a_forward_failing_inside_a_base_linear_leaves_no_activations_held(
     engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
