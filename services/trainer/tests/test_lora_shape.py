@@ -10,6 +10,7 @@ per-projection formula evaluated on their Hugging Face modules.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,6 +73,29 @@ _FLAGS = [f for f in itertools.product((False, True), repeat=3) if any(f)]  # (a
 def _trained_count(pool: AdapterPool, slot: int) -> int:
     """Values the slot trains: every tensor the optimizer steps and a checkpoint saves."""
     return sum(t.value().numel() for t in pool.slot_tensors(slot))
+
+
+Grads = dict[tuple[int, str], torch.Tensor]
+
+
+def _step(
+    engine: TrainerEngine, batch: list, slots: Iterable[int], stacked: bool, forward_only: bool = False
+) -> tuple[np.ndarray, Grads]:
+    """One ``forward_backward`` of ``batch`` (through the grouped matmuls where ``stacked``): its
+    log-probabilities and a float32 CPU copy of each of ``slots``' gradients, then discarded."""
+    engine.pool.routing.stacked = stacked
+    try:
+        outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
+    finally:
+        engine.pool.routing.stacked = False
+    grads = {
+        (slot, k): v.detach().to("cpu", torch.float32, copy=True)
+        for slot in slots
+        for k, v in engine.get_slot_grads(slot).items()
+    }
+    for slot in slots:
+        engine.discard_grads(slot)
+    return np.concatenate([o.logprobs for o in outs]), grads
 
 
 def test_every_supported_architecture_is_checked() -> None:
@@ -248,19 +272,9 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
     rng = np.random.default_rng(3)
     batch = [ce_datum(rng, slot, n) for slot, n in ((2, 40), (0, 64), (1, 24), (2, 16), (0, 8))]
 
-    def run(engine: TrainerEngine, stacked: bool) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
-        engine.pool.routing.stacked = stacked
-        try:
-            outs = engine.forward_backward(batch, "cross_entropy")
-        finally:
-            engine.pool.routing.stacked = False
-        grads = {(slot, k): v.float().cpu() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
-        for slot in configs:
-            engine.discard_grads(slot)
-        return np.concatenate([o.logprobs for o in outs]), grads
-
-    ref_lp, ref_grads = run(fp32, stacked=False)
-    (seg_lp, seg_grads), (grouped_lp, grouped_grads) = run(cuda, stacked=False), run(cuda, stacked=True)
+    ref_lp, ref_grads = _step(fp32, batch, configs, stacked=False)
+    seg_lp, seg_grads = _step(cuda, batch, configs, stacked=False)
+    grouped_lp, grouped_grads = _step(cuda, batch, configs, stacked=True)
     lp_scale = float(np.abs(ref_lp).max())
     assert np.abs(grouped_lp - ref_lp).max() <= 2 * np.abs(seg_lp - ref_lp).max() + 1e-3 * lp_scale
     for slot in configs:  # each slot's gradients as one vector: single entries are bf16 noise
@@ -328,20 +342,9 @@ def test_a_grouped_step_forms_every_needed_input_gradient_inside_the_grouped_nod
     rng = np.random.default_rng(4)
     batch = [ce_datum(rng, slot, n) for slot, n in ((2, 7), (0, 9), (1, 5), (0, 4))]
 
-    def run(stacked: bool) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
-        engine.pool.routing.stacked = stacked
-        try:
-            outs = engine.forward_backward(batch, "cross_entropy")
-        finally:
-            engine.pool.routing.stacked = False
-        grads = {(slot, k): v.clone() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
-        for slot in configs:
-            engine.discard_grads(slot)
-        return np.concatenate([o.logprobs for o in outs]), grads
-
-    want_lp, want_grads = run(stacked=False)
+    want_lp, want_grads = _step(engine, batch, configs, stacked=False)
     calls = _count_calls(monkeypatch, lora._GroupedAdaptedLinear)
-    got_lp, got_grads = run(stacked=True)
+    got_lp, got_grads = _step(engine, batch, configs, stacked=True)
     needed = 4 * engine.shape.num_layers
     assert calls.count("forward") == needed and calls.count("backward") == needed
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-5, atol=1e-5)
@@ -367,30 +370,19 @@ def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_
     one_slot = [ce_datum(rng, 0, 9), ce_datum(rng, 0, 5)]
     grouped = [ce_datum(rng, slot, n) for slot, n in ((2, 7), (0, 9), (1, 5), (0, 4))]
 
-    def run(batch: list, forward_only: bool = False) -> tuple[np.ndarray, dict[tuple[int, str], torch.Tensor]]:
-        engine.pool.routing.stacked = True
-        try:
-            outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
-        finally:
-            engine.pool.routing.stacked = False
-        grads = {(slot, k): v.clone() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
-        for slot in configs:
-            engine.discard_grads(slot)
-        return np.concatenate([o.logprobs for o in outs]), grads
-
-    wants = [run(one_slot), run(grouped)]
+    wants = [_step(engine, batch, configs, stacked=True) for batch in (one_slot, grouped)]
     monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda", "cpu"}))
     one_calls = _count_calls(monkeypatch, lora._AdaptedLinear)
     grouped_calls = _count_calls(monkeypatch, lora._GroupedAdaptedLinear)
     linears = 4 * engine.shape.num_layers + 1  # and the output layer
     for batch, (want_lp, want_grads), calls in zip((one_slot, grouped), wants, (one_calls, grouped_calls), strict=True):
-        got_lp, got_grads = run(batch)
+        got_lp, got_grads = _step(engine, batch, configs, stacked=True)
         assert calls.count("forward") == linears and calls.count("backward") == linears
         np.testing.assert_allclose(got_lp, want_lp, rtol=1e-5, atol=1e-5)
         for key, want in want_grads.items():
             assert float((got_grads[key] - want).abs().max()) <= 1e-5 * float(want.abs().max()), key
         calls.clear()
-        only_lp, _ = run(batch, forward_only=True)
+        only_lp, _ = _step(engine, batch, configs, stacked=True, forward_only=True)
         assert calls.count("forward") == linears
         np.testing.assert_array_equal(only_lp, got_lp)
 
@@ -426,23 +418,12 @@ def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen
         [ce_datum(rng, slot, n) for slot, n in ((2, 40), (0, 64), (1, 24), (2, 16), (0, 8))],
     ]
 
-    def run(engine: TrainerEngine, batch: list, forward_only: bool = False) -> tuple[np.ndarray, dict]:
-        engine.pool.routing.stacked = True
-        try:
-            outs = engine.forward_backward(batch, "cross_entropy", forward_only=forward_only)
-        finally:
-            engine.pool.routing.stacked = False
-        grads = {(slot, k): v.float().cpu() for slot in configs for k, v in engine.get_slot_grads(slot).items()}
-        for slot in configs:
-            engine.discard_grads(slot)
-        return np.concatenate([o.logprobs for o in outs]), grads
-
     for batch in batches:
-        ref_lp, ref_grads = run(fp32, batch)
-        default_lp, default_grads = run(cuda, batch)
+        ref_lp, ref_grads = _step(fp32, batch, configs, stacked=True)
+        default_lp, default_grads = _step(cuda, batch, configs, stacked=True)
         monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda"}))
-        got_lp, got_grads = run(cuda, batch)
-        only_lp, _ = run(cuda, batch, forward_only=True)
+        got_lp, got_grads = _step(cuda, batch, configs, stacked=True)
+        only_lp, _ = _step(cuda, batch, configs, stacked=True, forward_only=True)
         monkeypatch.undo()
         np.testing.assert_array_equal(only_lp, got_lp)
         scale = float(np.abs(ref_lp).max())
