@@ -60,8 +60,8 @@ Base products and input gradients: at TP=1, where one slot covers a step (``_Ada
 the grouped matmuls serve several (``_GroupedAdaptedLinear``), the adapter computes the adapted
 linear's output and its input's whole gradient itself (``SlotAdapter.pre_hook`` hands the frozen
 linear its input detached): the base and LoRA parts of each in one GEMM and its epilogue, instead
-of autograd adding two gradients. Where ``base_in_epilogue`` holds (opt-in) the frozen linear is handed no
-rows at all, and the base GEMM adds the LoRA term, written first, as it writes its output.
+of autograd adding two gradients. Where ``base_in_epilogue`` holds (opt-in) the frozen linear is
+handed no rows at all, and the base GEMM adds the LoRA term, written first, as it writes its output.
 
 Invariant: adapters attach to the model by forward hooks and live in ``AdapterPool`` (never in
 the model's own parameters); a slot that is not initialised, and a module its config disables,
@@ -657,13 +657,11 @@ def base_in_epilogue(module: nn.Module, x: torch.Tensor) -> bool:
     (g B) A`` likewise, ``(g B) A`` first. One rounding of the LoRA term, then one of the sum
     (otherwise: one of ``x Wᵀ``, then one of the sum). On a CPU the default order also keeps a
     slot's training bit-identical however its units are composed (``test_slot_isolation.py``)."""
+    if x.device.type not in BASE_IN_EPILOGUE_DEVICES:  # the default: no import on the hot path
+        return False
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    return (
-        x.device.type in BASE_IN_EPILOGUE_DEVICES
-        and isinstance(module, ColumnParallelLinear | RowParallelLinear)
-        and getattr(module, "bias", None) is None
-    )
+    return isinstance(module, ColumnParallelLinear | RowParallelLinear) and getattr(module, "bias", None) is None
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,15 @@ def _step(
     return np.concatenate([o.logprobs for o in outs]), grads
 
 
+def _slot_error(grads: Grads, ref: Grads, slot: int) -> tuple[float, float]:
+    """The norm of ``slot``'s gradient error against ``ref`` with all its tensors as one vector
+    (single entries are bf16 noise), and the norm of that reference vector."""
+    keys = [key for key in ref if key[0] == slot]
+    want = torch.cat([ref[key].flatten() for key in keys])
+    got = torch.cat([grads[key].flatten() for key in keys])
+    return float(torch.linalg.vector_norm(got - want)), float(torch.linalg.vector_norm(want))
+
+
 def test_every_supported_architecture_is_checked() -> None:
     """The table below covers every architecture the registry serves."""
     assert {str(c["model_type"]) for c in _CONFIGS.values()} == set(SUPPORTED_ARCHS)
@@ -241,6 +250,28 @@ def test_the_grouped_matmul_probe_answers_alike_inside_a_forward_only_call(monke
         assert lora.grouped_mm_supported(torch.zeros(1))
 
 
+_CUDA_SLOTS = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
+
+
+def _cuda_engines(qwen_dir: Path, seed: int) -> tuple[TrainerEngine, TrainerEngine]:
+    """A bf16 CUDA engine (its default attention) and a float32 one (``sdpa_per_document``:
+    FlashAttention takes no fp32), both eager, with the same random adapters in ``_CUDA_SLOTS``
+    (slot 2 without MLP adapters: its segments read the all-zero row there)."""
+    from services.trainer.engine import EngineConfig
+
+    engines = []
+    for dtype, backend in ((torch.bfloat16, "auto"), (torch.float32, "sdpa_per_document")):
+        config = EngineConfig(
+            str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", dtype=dtype, attention_backend=backend,
+            step_graphs=False,
+        )  # fmt: skip
+        engine = TrainerEngine(config)
+        for slot, lora_config in _CUDA_SLOTS.items():
+            randomize_slot(engine, slot, lora_config, seed=seed + slot)
+        engines.append(engine)
+    return engines[0], engines[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(qwen_dir: Path) -> None:
     """One eager step of three slots' five documents (slot 2 without MLP adapters: its segments
@@ -251,24 +282,8 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
     gradients (all its tensors as one vector) at most 1.5 times (each plus 1e-3 of the
     reference's size). Two bf16 paths that round differently are compared through
     the exact-er reference, not with each other."""
-    from services.trainer.engine import EngineConfig
-
-    cuda = TrainerEngine(EngineConfig(str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", step_graphs=False))
-    fp32 = TrainerEngine(
-        EngineConfig(
-            str(qwen_dir),
-            num_slots=4,
-            max_lora_rank=8,
-            device="cuda",
-            dtype=torch.float32,
-            attention_backend="sdpa_per_document",  # FlashAttention takes no fp32
-            step_graphs=False,
-        )
-    )
-    configs = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
-    for engine in (cuda, fp32):
-        for slot, config in configs.items():
-            randomize_slot(engine, slot, config, seed=50 + slot)
+    cuda, fp32 = _cuda_engines(qwen_dir, seed=50)
+    configs = _CUDA_SLOTS
     rng = np.random.default_rng(3)
     batch = [ce_datum(rng, slot, n) for slot, n in ((2, 40), (0, 64), (1, 24), (2, 16), (0, 8))]
 
@@ -277,12 +292,9 @@ def test_cuda_the_grouped_lora_path_is_as_close_to_fp32_as_the_per_segment_path(
     grouped_lp, grouped_grads = _step(cuda, batch, configs, stacked=True)
     lp_scale = float(np.abs(ref_lp).max())
     assert np.abs(grouped_lp - ref_lp).max() <= 2 * np.abs(seg_lp - ref_lp).max() + 1e-3 * lp_scale
-    for slot in configs:  # each slot's gradients as one vector: single entries are bf16 noise
-        keys = [key for key in ref_grads if key[0] == slot]
-        ref = torch.cat([ref_grads[key].flatten() for key in keys])
-        seg_error = torch.linalg.vector_norm(torch.cat([seg_grads[key].flatten() for key in keys]) - ref)
-        grouped_error = torch.linalg.vector_norm(torch.cat([grouped_grads[key].flatten() for key in keys]) - ref)
-        assert float(grouped_error) <= 1.5 * float(seg_error) + 1e-3 * float(torch.linalg.vector_norm(ref)), slot
+    for slot in configs:
+        (seg_error, size), (grouped_error, _) = (_slot_error(g, ref_grads, slot) for g in (seg_grads, grouped_grads))
+        assert grouped_error <= 1.5 * seg_error + 1e-3 * size, slot
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch, function: type) -> list[str]:
@@ -387,7 +399,6 @@ def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_
         np.testing.assert_array_equal(only_lp, got_lp)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen_linears(
     qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -398,20 +409,9 @@ def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen
     tensors as one vector) at most 1.5 times (each plus 1e-3 of the reference's size), and
     forward_only's log-probabilities equal forward_backward's bit for bit."""
     from services.trainer import lora
-    from services.trainer.engine import EngineConfig
 
-    def build(dtype: torch.dtype, backend: str = "auto") -> TrainerEngine:
-        config = EngineConfig(
-            str(qwen_dir), num_slots=4, max_lora_rank=8, device="cuda", dtype=dtype, attention_backend=backend,
-            step_graphs=False,
-        )  # fmt: skip
-        return TrainerEngine(config)
-
-    cuda, fp32 = build(torch.bfloat16), build(torch.float32, "sdpa_per_document")  # FlashAttention takes no fp32
-    configs = {0: LoraConfig(rank=8, seed=1), 1: LoraConfig(rank=4, seed=2), 2: LoraConfig(rank=8, seed=3, train_mlp=False)}
-    for engine in (cuda, fp32):
-        for slot, config in configs.items():
-            randomize_slot(engine, slot, config, seed=60 + slot)
+    cuda, fp32 = _cuda_engines(qwen_dir, seed=60)
+    configs = _CUDA_SLOTS
     rng = np.random.default_rng(7)
     batches = [
         [ce_datum(rng, 0, n) for n in (64, 40, 24)],
@@ -429,11 +429,8 @@ def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen
         scale = float(np.abs(ref_lp).max())
         assert np.abs(got_lp - ref_lp).max() <= 2 * np.abs(default_lp - ref_lp).max() + 1e-3 * scale
         for slot in {d.slot for d in batch}:
-            keys = [key for key in ref_grads if key[0] == slot]
-            ref = torch.cat([ref_grads[key].flatten() for key in keys])
-            default_error = torch.linalg.vector_norm(torch.cat([default_grads[key].flatten() for key in keys]) - ref)
-            error = torch.linalg.vector_norm(torch.cat([got_grads[key].flatten() for key in keys]) - ref)
-            assert float(error) <= 1.5 * float(default_error) + 1e-3 * float(torch.linalg.vector_norm(ref)), slot
+            (default_error, size), (error, _) = (_slot_error(g, ref_grads, slot) for g in (default_grads, got_grads))
+            assert error <= 1.5 * default_error + 1e-3 * size, slot
 
 
 def test_a_forward_failing_inside_a_base_linear_leaves_no_activations_held(
