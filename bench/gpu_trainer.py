@@ -443,18 +443,20 @@ class Bench(BenchRun):
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
                     run(name, doc_len, docs, tenants, label=f"{backend} eager")
 
-        # The same workloads with each adapted linear's base product computed by its adapter, the
-        # LoRA term added in the base GEMM's epilogue ("<backend> base-in-epilogue",
-        # lora.base_in_epilogue), against the default's frozen linear that the LoRA GEMM adds onto.
+        # The same workloads with the other placement of each adapted linear's base product
+        # (lora.base_in_epilogue): where the default adds the LoRA term in the base GEMM's
+        # epilogue, "<backend> separate-base" rows hand the frozen linear its rows and add the LoRA
+        # term onto its output; where it does not, "<backend> base-in-epilogue" rows do the former.
         if self.cuda:
-            epilogue_devices = lora.BASE_IN_EPILOGUE_DEVICES
-            lora.BASE_IN_EPILOGUE_DEVICES = frozenset({"cuda"})
+            default_devices = lora.BASE_IN_EPILOGUE_DEVICES
+            in_epilogue = "cuda" in default_devices
+            lora.BASE_IN_EPILOGUE_DEVICES = default_devices ^ {"cuda"}
             try:
                 for name in by_name:
                     if self.fits(name) and self.time_left() > self.reserve_s + 40:
-                        run(*by_name[name], label=f"{backend} base-in-epilogue")
+                        run(*by_name[name], label=f"{backend} {'separate-base' if in_epilogue else 'base-in-epilogue'}")
             finally:
-                lora.BASE_IN_EPILOGUE_DEVICES = epilogue_devices
+                lora.BASE_IN_EPILOGUE_DEVICES = default_devices
 
         default = engine.fused_ce
         for path in CE_PATHS if fused_ok else ():

@@ -60,7 +60,7 @@ Base products and input gradients: at TP=1, where one slot covers a step (``_Ada
 the grouped matmuls serve several (``_GroupedAdaptedLinear``), the adapter computes the adapted
 linear's output and its input's whole gradient itself (``SlotAdapter.pre_hook`` hands the frozen
 linear its input detached): the base and LoRA parts of each in one GEMM and its epilogue, instead
-of autograd adding two gradients. Where ``base_in_epilogue`` holds (opt-in) the frozen linear is
+of autograd adding two gradients. Where ``base_in_epilogue`` holds (on CUDA) the frozen linear is
 handed no rows at all, and the base GEMM adds the LoRA term, written first, as it writes its output.
 
 Invariant: adapters attach to the model by forward hooks and live in ``AdapterPool`` (never in
@@ -605,7 +605,7 @@ class SlotAdapter(nn.Module):
         """Before the base linear, at TP=1, where one slot covers the batch or the grouped matmuls
         serve several: the hook computes the adapted output itself (``_AdaptedLinear``,
         ``_GroupedAdaptedLinear``), which then forms ``x``'s whole gradient, so the base gets ``x``
-        detached (its frozen weight records no backward). Where ``base_in_epilogue`` holds (opt-in)
+        detached (its frozen weight records no backward). Where ``base_in_epilogue`` holds (CUDA)
         the hook computes the base product too, so the base gets no rows at all; elsewhere it
         gets them only where ``x`` needs a gradient, and otherwise nothing changes."""
         x = args[0]
@@ -642,10 +642,12 @@ class SlotAdapter(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1]), bias
 
 
-BASE_IN_EPILOGUE_DEVICES: frozenset[str] = frozenset()
-"""Device types on which ``base_in_epilogue`` holds: none by default. The path is checked on the
-CPU (``test_lora_shape.py -k epilogue``); on CUDA, ``bench/gpu_trainer.py`` times it beside the
-default (its ``base-in-epilogue`` rows) and ``test_lora_shape.py -k cuda`` checks it against fp32."""
+BASE_IN_EPILOGUE_DEVICES: frozenset[str] = frozenset({"cuda"})
+"""Device types on which ``base_in_epilogue`` holds. On CUDA it is measured faster at every
+workload of ``bench/gpu_trainer.py`` (whose ``separate-base`` rows time the path without it) and
+``test_lora_shape.py -k cuda`` checks it against fp32. On the CPU the frozen linears' order keeps
+a slot's bits independent of its neighbours; ``test_lora_shape.py -k epilogue`` checks the path
+there by forcing it."""
 
 
 def base_in_epilogue(module: nn.Module, x: torch.Tensor) -> bool:
@@ -657,7 +659,7 @@ def base_in_epilogue(module: nn.Module, x: torch.Tensor) -> bool:
     (g B) A`` likewise, ``(g B) A`` first. One rounding of the LoRA term, then one of the sum
     (otherwise: one of ``x Wᵀ``, then one of the sum). On a CPU the default order also keeps a
     slot's training bit-identical however its units are composed (``test_slot_isolation.py``)."""
-    if x.device.type not in BASE_IN_EPILOGUE_DEVICES:  # the default: no import on the hot path
+    if x.device.type not in BASE_IN_EPILOGUE_DEVICES:  # the CPU: no import on the hot path
         return False
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

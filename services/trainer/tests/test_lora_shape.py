@@ -367,7 +367,7 @@ def test_a_grouped_step_forms_every_needed_input_gradient_inside_the_grouped_nod
 def test_the_base_product_in_the_lora_gemms_epilogue_matches_the_frozen_linears_path(
     engine: TrainerEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``base_in_epilogue`` (opt-in) taken on the CPU: every adapted linear of a one-slot
+    """``base_in_epilogue`` (CUDA's default) forced on the CPU: every adapted linear of a one-slot
     and of a grouped step of three slots, forward_only included, computes its base product itself
     (``_AdaptedLinear`` / ``_GroupedAdaptedLinear`` once per linear and call, the first layer's
     qkv too), and the log-probabilities and every slot's gradients equal the frozen linear's path
@@ -404,10 +404,11 @@ def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen
     qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A one-slot step and a grouped step of three slots on a bf16 CUDA engine, with
-    ``base_in_epilogue`` and without, each against the same step of a float32 engine: with it,
-    the largest logprob error is at most twice the default's and each slot's gradient error (its
-    tensors as one vector) at most 1.5 times (each plus 1e-3 of the reference's size), and
-    forward_only's log-probabilities equal forward_backward's bit for bit."""
+    ``base_in_epilogue`` (the default) and without (the frozen linears' products), each against
+    the same step of a float32 engine: with it, the largest logprob error is at most twice the
+    frozen linears' and each slot's gradient error (its tensors as one vector) at most 1.5 times
+    (each plus 1e-3 of the reference's size), and forward_only's log-probabilities equal
+    forward_backward's bit for bit."""
     from services.trainer import lora
 
     cuda, fp32 = _cuda_engines(qwen_dir, seed=60)
@@ -420,17 +421,18 @@ def test_cuda_the_base_product_in_the_epilogue_is_as_close_to_fp32_as_the_frozen
 
     for batch in batches:
         ref_lp, ref_grads = _step(fp32, batch, configs, stacked=True)
-        default_lp, default_grads = _step(cuda, batch, configs, stacked=True)
+        monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset())
+        separate_lp, separate_grads = _step(cuda, batch, configs, stacked=True)
         monkeypatch.setattr(lora, "BASE_IN_EPILOGUE_DEVICES", frozenset({"cuda"}))
         got_lp, got_grads = _step(cuda, batch, configs, stacked=True)
         only_lp, _ = _step(cuda, batch, configs, stacked=True, forward_only=True)
         monkeypatch.undo()
         np.testing.assert_array_equal(only_lp, got_lp)
         scale = float(np.abs(ref_lp).max())
-        assert np.abs(got_lp - ref_lp).max() <= 2 * np.abs(default_lp - ref_lp).max() + 1e-3 * scale
+        assert np.abs(got_lp - ref_lp).max() <= 2 * np.abs(separate_lp - ref_lp).max() + 1e-3 * scale
         for slot in {d.slot for d in batch}:
-            (default_error, size), (error, _) = (_slot_error(g, ref_grads, slot) for g in (default_grads, got_grads))
-            assert error <= 1.5 * default_error + 1e-3 * size, slot
+            (separate_error, size), (error, _) = (_slot_error(g, ref_grads, slot) for g in (separate_grads, got_grads))
+            assert error <= 1.5 * separate_error + 1e-3 * size, slot
 
 
 def test_a_forward_failing_inside_a_base_linear_leaves_no_activations_held(
