@@ -7,8 +7,8 @@ tenants on the H200 that addition took 9 ms of a 287 ms step, most of what separ
 same tokens of one tenant (whose ``addmm`` adds ``base`` in the GEMM's epilogue).
 ``grouped_addmm`` is the epilogue for the grouped case: one Triton kernel reads ``base``, ``h``
 and each group's ``B`` tile and writes the sum once, accumulating in fp32 and rounding once. Its
-backward is ``torch._grouped_mm``'s own gradients (``h``'s and ``B``'s, grouped matmuls again)
-and ``base``'s, the output gradient itself.
+backward is the gradients ``torch._grouped_mm`` would form (``h``'s and ``B``'s, grouped matmuls
+again; ``B``'s written in its own layout) and ``base``'s, the output gradient itself.
 
 Isolation: a row takes its own group's product by selection (``tl.where``), never by a sum with
 masked-out terms, so a non-finite ``B`` of one group cannot reach another group's rows even
@@ -119,10 +119,10 @@ class _GroupedAddmm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, Any, Any, None]:
         h, b, offsets = ctx.saved_tensors
-        # torch._grouped_mm's own gradients of ``grouped_mm(h, bᵀ)``: h's a grouped matmul by the
-        # groups' B, bᵀ's one per group over its rows (a grouped matmul ragged along K)
+        # the gradients of ``grouped_mm(h, bᵀ)``: h's a grouped matmul by the groups' B, b's one
+        # per group over its rows (a grouped matmul ragged along K, in b's own layout)
         dh = torch._grouped_mm(grad, b, offs=offsets) if ctx.needs_input_grad[1] else None
-        db = torch._grouped_mm(h.t(), grad, offs=offsets).transpose(1, 2) if ctx.needs_input_grad[2] else None
+        db = torch._grouped_mm(grad.t(), h, offs=offsets) if ctx.needs_input_grad[2] else None  # [G, out, w]
         return grad, dh, db, None
 
 

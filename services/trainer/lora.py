@@ -753,8 +753,10 @@ class _GroupedAdaptedLinear(torch.autograd.Function):
     then, on CUDA, ``g W`` added onto it in one GEMM's epilogue (``addmm_``), where autograd would
     add two ``[T, in]`` gradients in a kernel of its own. On the CPU the sum keeps the one-slot
     path's order (``g W`` first), so that a slot's training stays bit-identical however its units
-    are composed (``test_slot_isolation.py``). The factors' gradients are ``torch._grouped_mm``'s
-    own, in the same calls."""
+    are composed (``test_slot_isolation.py``). The factors' gradients are grouped matmuls over
+    the tokens (ragged along K), written in the factors' own layouts ``[G, w, in]`` and ``[G,
+    out, w]``: the sinks then add them into the slots' rows with contiguous reads, where the
+    transposed views of ``xᵀ dh`` and ``hᵀ g`` were read across their strides."""
 
     @staticmethod
     def forward(
@@ -790,8 +792,8 @@ class _GroupedAdaptedLinear(torch.autograd.Function):
                 dx = lora_part.addmm_(g, weight)
             else:  # g W first, as the one-slot path sums: a slot's bits do not depend on its neighbours
                 dx = (g @ weight).add_(lora_part)
-        da = torch._grouped_mm(x.t(), dh, offs=offsets).transpose(1, 2)  # [G, w, in]
-        db = torch._grouped_mm(h.t(), g, offs=offsets).transpose(1, 2)  # [G, out, w]
+        da = torch._grouped_mm(dh.t(), x, offs=offsets)  # [G, w, in]
+        db = torch._grouped_mm(g.t(), h, offs=offsets)  # [G, out, w]
         return dx, None if ctx.base_in_epilogue else g, None, da, db, None
 
 
