@@ -37,7 +37,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 H200_PEAK_BF16 = 989.4e12
 """Dense bf16 tensor-core peak of an H100/H200 SXM (NVIDIA datasheet), FLOP/s."""
@@ -214,7 +216,12 @@ class BenchRun:
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
-        """Run a section: an exception is recorded (results ``errors``) and the run goes on."""
+        """Run a section: an exception is recorded (results ``errors``) and the run goes on.
+
+        The section starts by freeing what the one before left (``release``): a failed section's
+        frames, and the GPU memory they hold, live on in its exception's traceback until the
+        ``with`` statement has finished, so they cannot be freed at its own end."""
+        self.release()
         self.log(f"== {name}")
         try:
             yield
@@ -222,12 +229,28 @@ class BenchRun:
             text = traceback.format_exc()
             self.log(f"!! {name} failed:\n{text}")
             self.results.error(name, text)
-        finally:
-            gc.collect()
-            if self.cuda:
-                import torch
 
-                torch.cuda.empty_cache()
+    def attempt(self, key: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None with the error recorded under ``key`` (one row out of memory on a
+        smaller card leaves the section's other rows)."""
+        try:
+            return fn()
+        except Exception:
+            self.results.error(key, traceback.format_exc())
+            self.log("!!", key, traceback.format_exc().splitlines()[-1])
+        # Outside the handler: while it runs, the exception's traceback keeps the failed step's
+        # frames, and their tensors, alive, and a collection there frees none of them.
+        self.release()
+        return None
+
+    def release(self) -> None:
+        """Collect garbage and hand the GPU memory torch's allocator caches back to the driver
+        (another process, a stack's trainer or sampler, may need it)."""
+        gc.collect()
+        if self.cuda:
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def _json_default(obj: Any) -> Any:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import functools
 import json
 import os
 import shutil
@@ -180,7 +180,19 @@ class Bench(BenchRun):
         for slot in range(8):
             engine.init_slot(slot, LoraConfig(rank=RANK, seed=slot))
         iters = 2 if self.tiny else 5
-        for name, *_ in FB_WORKLOADS:
+
+        def measure(engine: TrainerEngine, datums: list[Any]) -> float:
+            engine.forward_backward(datums, "cross_entropy")  # warm-up
+            times = []
+            for _ in range(iters):
+                self.sync()
+                t = time.perf_counter()
+                engine.forward_backward(datums, "cross_entropy")
+                self.sync()
+                times.append(time.perf_counter() - t)
+            return float(np.median(times))
+
+        for name, *_ in FB_WORKLOADS:  # each on its own: one the card cannot hold leaves the others
             datums = [
                 DatumInput(
                     tenant,
@@ -190,15 +202,11 @@ class Bench(BenchRun):
                 for tenant, seq in self.fb_datums(name)
             ]
             tokens = sum(len(d.tokens) for d in datums)
-            engine.forward_backward(datums, "cross_entropy")  # warm-up
-            times = []
-            for _ in range(iters):
-                self.sync()
-                t = time.perf_counter()
-                engine.forward_backward(datums, "cross_entropy")
-                self.sync()
-                times.append(time.perf_counter() - t)
-            median = float(np.median(times))
+            median = self.attempt(f"engine_fb/{name}", functools.partial(measure, engine, datums))
+            if median is None:
+                for slot in range(8):
+                    engine.discard_grads(slot)
+                continue
             self.engine_fb[name] = median
             self.row(
                 "engine_fb",
@@ -259,9 +267,7 @@ class Bench(BenchRun):
     def sampler(self) -> None:
         adapters = self.adapter_dirs(8)
         parity, prompt_len = self.sampler_engine(adapters)
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+        self.release()
         self.hf_sampling(adapters, parity, prompt_len)
 
     def sampler_engine(self, adapters: list[Path]) -> tuple[list[Any], int]:
@@ -462,7 +468,8 @@ class Bench(BenchRun):
             clients = [s.create_lora_training_client(base_model=base, rank=RANK).result() for s in services]
             adam = types.AdamParams(learning_rate=1e-5)
 
-            # forward_backward tokens/s through the SDK, same batches as the engine section.
+            # forward_backward tokens/s through the SDK, same batches as the engine section; each
+            # workload on its own (one the trainer cannot hold beside the sampler leaves the rest).
             for name, *_ in FB_WORKLOADS:
                 per_tenant: dict[int, list[Any]] = {}
                 for tenant, seq in self.fb_datums(name):
@@ -476,10 +483,16 @@ class Bench(BenchRun):
                         f.result()
                     return time.perf_counter() - t
 
-                once()
-                units_before = self.unit_count(stack)
-                times = [once() for _ in range(2 if self.tiny else 4)]
-                units = (self.unit_count(stack) - units_before) / len(times)
+                def timed(once: Callable[[], float] = once) -> tuple[list[float], float]:
+                    once()
+                    units_before = self.unit_count(stack)
+                    times = [once() for _ in range(2 if self.tiny else 4)]
+                    return times, (self.unit_count(stack) - units_before) / len(times)
+
+                measured = self.attempt(f"sdk_fb/{name}", timed)
+                if measured is None:
+                    continue
+                times, units = measured
                 median = float(np.median(times))
                 engine = self.engine_fb.get(name)
                 self.row(

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import os
 import re
@@ -326,21 +325,6 @@ class Bench(BenchRun):
             weights = np.ones(doc_len, dtype=np.float32)
             out.append(DatumInput(i % tenants, seq[:-1], {"target_tokens": seq[1:], "weights": weights}))
         return out
-
-    def attempt(self, key: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-        """``fn()``, or None with the error recorded under ``key`` (one row out of memory on a
-        smaller card leaves the section's other rows)."""
-        try:
-            return fn()
-        except Exception:
-            self.results.error(key, traceback.format_exc())
-            self.log("!!", key, traceback.format_exc().splitlines()[-1])
-        # Outside the handler: while it runs, the exception's traceback keeps the failed step's
-        # frames, and their tensors, alive, and a collection there frees none of them.
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
-        return None
 
     def measure(self, fn: Callable[[], Any], lens: list[int]) -> dict[str, Any]:
         self.peak_reset()
@@ -824,9 +808,7 @@ class Bench(BenchRun):
             self.row(table, m)
         if profile_batch is not None and self.time_left() > 30:
             self.profile(profile_batch, table)
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+        self.release()
 
     def summary(self) -> None:
         rows = self.tables
