@@ -643,8 +643,9 @@ class SlotAdapter(nn.Module):
 
 
 BASE_IN_EPILOGUE_DEVICES: frozenset[str] = frozenset({"cuda"})
-"""Device types on which ``base_in_epilogue`` holds. On CUDA it is measured faster at every
-workload of ``bench/gpu_trainer.py`` (whose ``separate-base`` rows time the path without it) and
+"""Device types on which ``base_in_epilogue`` holds. On CUDA it is measured as fast at 1,024
+tokens and faster from 2,048 at every workload of ``bench/gpu_trainer.py`` (whose
+``separate-base`` rows time the path without it), and
 ``test_lora_shape.py -k cuda`` checks it against fp32. On the CPU the frozen linears' order keeps
 a slot's bits independent of its neighbours; ``test_lora_shape.py -k epilogue`` checks the path
 there by forcing it."""
@@ -755,8 +756,8 @@ class _GroupedAdaptedLinear(torch.autograd.Function):
     path's order (``g W`` first), so that a slot's training stays bit-identical however its units
     are composed (``test_slot_isolation.py``). The factors' gradients are grouped matmuls over
     the tokens (ragged along K), written in the factors' own layouts ``[G, w, in]`` and ``[G,
-    out, w]``: the sinks then add them into the slots' rows with contiguous reads, where the
-    transposed views of ``xᵀ dh`` and ``hᵀ g`` were read across their strides."""
+    out, w]``, so that the sinks read them contiguously as they add them into the slots' rows
+    (transposed views of ``xᵀ dh`` and ``hᵀ g`` would be read across their strides)."""
 
     @staticmethod
     def forward(
