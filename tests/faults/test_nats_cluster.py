@@ -22,7 +22,7 @@ from libs.contracts import subjects as s
 from tests.faults.checks import EventTrigger, exactly_once
 from tests.faults.conftest import FAULT_ENV
 from tests.harness import Stack
-from tests.sdk import differences, run_workload
+from tests.sdk import TenantRun, differences, run_workload
 
 pytestmark = pytest.mark.slow  # a fault test: a 3-node cluster, its elections take minutes
 
@@ -59,11 +59,21 @@ def test_streams_have_three_replicas(stack: Stack) -> None:
         assert stream_state(stack, stream)[1] == 3, stream
 
 
+def failures(runs: list[TenantRun], stack: Stack) -> list[str]:
+    """Each failed tenant's stalled call and error; where there is one, the services' last log
+    lines are printed (pytest shows them whole under "Captured stdout", where an assertion
+    message is cut short)."""
+    failed = [f"tenant {r.tenant}: {r.stalled or 'error'}: {r.error!r}" for r in runs if r.error]
+    if failed:
+        print(stack.dump_logs())
+    return failed
+
+
 def test_killing_the_requests_leader_under_load_loses_nothing(stack: Stack) -> None:
     """The workload with the leader of the requests stream killed mid-run completes, equals the
     fault-free run of the same workload, the stream has a new leader, and nothing ran twice."""
     reference = run_workload(stack.base_url, stack.data_dir, tenants=TENANTS, key="cluster-ref")
-    assert not [r.error for r in reference if r.error], ([repr(r.error) for r in reference], stack.dump_logs())
+    assert not failures(reference, stack)
     killed: list[str] = []
 
     def kill_leader() -> None:
@@ -78,7 +88,7 @@ def test_killing_the_requests_leader_under_load_loses_nothing(stack: Stack) -> N
         trigger.stop()
     assert trigger.error is None, trigger.error
     assert killed, "the leader was never killed"
-    assert not [r.error for r in runs if r.error], ([repr(r.error) for r in runs], stack.dump_logs())
+    assert not failures(runs, stack)
     assert not differences(runs, {r.tenant: r for r in reference})
     assert stream_state(stack, s.STREAM_REQUESTS)[0] != killed[0]
     stack.restart_nats_node(stack.cluster.index_of(killed[0]))  # type: ignore[union-attr]
