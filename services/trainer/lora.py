@@ -13,9 +13,9 @@ GQA group, see ``convert.fuse_qkv``) and its row of ``B`` multiplies that part's
 A slot of rank ``r`` therefore trains ``r * (in + out)`` parameters per HF projection, the
 count of ``tinker_cookbook.hyperparam_utils.get_lora_param_count``.  The forward keeps one GEMM
 per factor: ``h = x @ [A_q; A_k; A_v]^T`` (``[T, parts*r]``), then ``h @ B_bd^T`` with the
-block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere, selected with
-``torch.where``: constants that receive no gradient, and whose products with the slot's own
-``h`` add exactly nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
+block-diagonal ``B_bd[o, p*r:(p+1)*r] = B[o]`` for ``p = p(o)`` (zeros elsewhere, selected by
+``factor_rows.block_diagonal``: constants that receive no gradient, and whose products with the
+slot's own ``h`` add exactly nothing while ``h`` is finite).  That GEMM spends ``parts`` times the FLOPs of
 separate ones on ``B``, for one kernel instead of ``parts``.
 
 Ranks above a slot's rank are masked out by slicing, so those rows stay exactly zero.
@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from libs.contracts.common import LoraConfig
-from services.trainer import grouped_addmm
+from services.trainer import factor_rows, grouped_addmm
 from services.trainer.convert import ModelShape, ShardKind, fuse_glu, fuse_qkv, shard
 from services.trainer.host_copy import to_device
 from services.trainer.parallel import tp_rank, tp_size
@@ -168,19 +168,6 @@ def row_parts(target: TargetSpec, shape: ModelShape) -> torch.Tensor | None:
     labels = [torch.full((rows,), p, dtype=torch.int64) for p, rows in enumerate(target.parts)]
     full = fuse_qkv(labels[0], labels[1], labels[2], shape) if len(labels) == 3 else fuse_glu(labels[0], labels[1])
     return shard(full, target.b_kind, tp_rank(), tp_size())
-
-
-def block_diagonal(b: torch.Tensor, part_mask: torch.Tensor | None) -> torch.Tensor:
-    """``B_bd [.., out, parts*r]`` from ``b [.., out, r]``: row ``o`` holds ``b[.., o, :]`` in the
-    columns of its part, zeros elsewhere (``part_mask [out, parts]`` is the one-hot of ``p(o)``).
-
-    ``torch.where`` selects, it never multiplies: the zeros are constants, the gradient of ``b``
-    is the selected entries of ``B_bd``'s gradient (exactly, whatever the others hold)."""
-    if part_mask is None:
-        return b
-    out, parts = part_mask.shape
-    picked = torch.where(part_mask.view(out, parts, 1), b.unsqueeze(-2), b.new_zeros(()))  # [.., out, parts, r]
-    return picked.flatten(-2)  # [.., out, parts*r]
 
 
 class SlotRouting:
@@ -359,13 +346,15 @@ class SlotAdapter(nn.Module):
         self.lora_A = rows.parameter(self.a_name, self.a_shape)
         self.lora_B = rows.parameter(self.b_name, self.b_shape)
         parts = row_parts(target, shape)
-        self.part_mask: torch.Tensor | None
+        self.part_mask: torch.Tensor | None  # [out, parts]: the one-hot of each local row's part
+        self.row_part: torch.Tensor | None  # [out] int32: the part itself, for the CUDA kernels
         self.part_index: torch.Tensor | None  # [out, 1, r_max]: each row's part, for gathers
         if parts is None:
-            self.part_mask = self.part_index = None
-        else:  # [out, parts] one-hot of each local row's part
+            self.part_mask = self.row_part = self.part_index = None
+        else:
             mask = parts.view(-1, 1) == torch.arange(self.parts).view(1, -1)
             self.register_buffer("part_mask", mask.to(device), persistent=False)
+            self.register_buffer("row_part", parts.to(device, torch.int32), persistent=False)
             index = parts.view(-1, 1, 1).expand(-1, 1, max_rank).contiguous()
             self.register_buffer("part_index", index.to(device), persistent=False)
 
@@ -408,7 +397,7 @@ class SlotAdapter(nn.Module):
         made block diagonal. Its gradient goes to the slot's gradient row (``_ToRows``)."""
         # contiguous, as a cast would leave it: the GEMMs' backward picks its layout by b's strides
         _, b_rows, positions = self._compute(dtype)
-        b = block_diagonal(b_rows[positions[slot], :, :rank].contiguous(), self.part_mask)
+        b = factor_rows.block_diagonal(b_rows[positions[slot], :, :rank].contiguous(), self.part_mask, self.row_part)
         scale = lora_scaling(self.routing.configs[slot].rank)
         grads = self.lora_B.grad
         assert grads is not None
@@ -424,7 +413,7 @@ class SlotAdapter(nn.Module):
         return _ToRows.apply(self.lora_B, b, sink)
 
     def _diagonal(self, g: torch.Tensor, rank: int) -> torch.Tensor:
-        """The inverse of ``block_diagonal`` for gradients: ``[.., out, parts*rank]`` to
+        """The inverse of ``factor_rows.block_diagonal`` for gradients: ``[.., out, parts*rank]`` to
         ``[.., out, rank]``, each row's own part's block (a gather: exact)."""
         if self.part_index is None:
             return g
@@ -519,7 +508,7 @@ class SlotAdapter(nn.Module):
             a_groups = a_rows[:, :, :r].index_select(0, layout.source)
             b_groups = b_rows[:, :, :r].index_select(0, layout.source)
         a = a_groups.flatten(1, 2)  # [G, parts*r, in]
-        b = block_diagonal(b_groups, self.part_mask)  # [G, out, parts*r]
+        b = factor_rows.block_diagonal(b_groups, self.part_mask, self.row_part)  # [G, out, parts*r]
         pad = (-a.shape[1]) % max(1, 16 // rows.element_size())  # rows of 16-byte multiples
         if pad:
             a = torch.nn.functional.pad(a, (0, 0, 0, pad))  # [G, w, in]
@@ -528,10 +517,12 @@ class SlotAdapter(nn.Module):
         a_grads, b_grads = self.lora_A.grad, self.lora_B.grad
         assert a_grads is not None and b_grads is not None
 
-        # Each real group's gradient adds into its slot's row: consecutive slots as one slice
-        # (an in-place addition that promotes bf16 itself), other slots by index (whose addition
-        # takes fp32: one cast first). Either is one addition per element.
+        # Each real group's gradient adds into its slot's row. On CUDA one kernel per factor reads
+        # each real group's gradient where the grouped matmul wrote it (``factor_rows``). Elsewhere:
+        # consecutive slots as one slice (an in-place addition that promotes bf16 itself), other
+        # slots by index (whose addition takes fp32: one cast first). Each is one addition per element.
         first = layout.first_slot
+        fused = factor_rows.fused_supported(rows)
 
         def into(grads: torch.Tensor, real: torch.Tensor, alpha: float = 1.0) -> None:
             if first is not None:
@@ -540,9 +531,15 @@ class SlotAdapter(nn.Module):
                 grads[:, :, :r].index_add_(0, layout.real_slots, real.to(grads.dtype), alpha=alpha)
 
         def a_sink(g: torch.Tensor) -> None:  # [G, w, in]: each real group into its slot's row
+            if fused:
+                factor_rows.add_a_grads(a_grads, g, layout.real, layout.real_slots, r)
+                return
             into(a_grads, (g if layout.every else g.index_select(0, layout.real))[:, :width].unflatten(1, (parts, r)))
 
         def b_sink(g: torch.Tensor) -> None:  # [G, out, w]
+            if fused:
+                factor_rows.add_b_grads(b_grads, g, layout.real, layout.real_slots, layout.real_scale, r, self.row_part)
+                return
             real = self._diagonal((g if layout.every else g.index_select(0, layout.real))[..., :width], r)
             if layout.scale is not None:  # one alpha/rank for all: the addition scales (no product)
                 into(b_grads, real, alpha=layout.scale)
