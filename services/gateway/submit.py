@@ -3,7 +3,8 @@
 One protocol for training commands ((model, seq_id) in KV `tinker_seq`, appended to the model's
 request subject) and sample jobs ((sampler, seq_id) in `tinker_sample_seq`, appended to the sample
 work queue). The identity is claimed with a create-only write before the append:
-- admission is decided first (429 before anything is claimed or held);
+- admission is decided first (429 before anything is claimed or held), except for a retry of a
+  request already claimed, which a full queue never refuses (the claim is read only then);
 - a new identity is claimed; only the call that made the claim holds admission resources
   (requests in flight, sampling permits), taken before the append (the result may beat the ack);
 - the append is made; if it fails, what this call holds is given back and the error reaches the
@@ -38,7 +39,14 @@ from libs.contracts.requests import ForwardBackward, ModelCommand, Rejected, Unl
 from libs.faults import crash_point
 from services.gateway.accounts.auth import Tenant
 from services.gateway.context import Gateway
-from services.gateway.http.errors import BadRequest, Conflict, NotFound, PayloadTooLarge, TinkerError
+from services.gateway.http.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    TinkerError,
+)
 
 _background: set[asyncio.Task[None]] = set()
 
@@ -108,20 +116,23 @@ async def claim_and_append(
     """Claim `key` for `claim` and append (see the module docstring). Returns (the stored claim,
     whether this call made it). `publish` appends given the stored claim; `answered` says the
     request's result already exists (a retry then appends nothing)."""
-    existing = await gateway.store.get(bucket, key, SeqClaim)
-    fresh = False
-    if existing is None:
+    # The claim is tried first (the common case: a new identity, one KV write); only a refused
+    # admission reads the claim first, since a retry of a request already claimed is never 429.
+    try:
         reservation.reserve()
+    except Overloaded:
+        found = await gateway.store.get(bucket, key, SeqClaim)
+        if found is None:
+            raise
+        existing, fresh = found, False
+    else:
         try:
-            created, existing = await gateway.store.create(bucket, key, claim, SeqClaim)
+            fresh, existing = await gateway.store.create(bucket, key, claim, SeqClaim)
         except BaseException:
             reservation.cancel()
             raise
-        if created:
-            existing, fresh = claim, True
-        else:
+        if not fresh:
             reservation.cancel()
-    assert existing is not None
     if existing.fingerprint != claim.fingerprint:
         raise conflict(existing)
     if not fresh and answered is not None and await answered():

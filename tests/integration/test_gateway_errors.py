@@ -442,6 +442,21 @@ def test_overload_is_429_with_retry_after(small: Stack, keys: dict[str, str]) ->
     assert api.fwdbwd(model, 3, [datum([1, 2])]).status_code == 429  # nothing was claimed by the 429
 
 
+def test_a_retry_of_a_claimed_request_is_accepted_while_the_queue_is_full(
+    small: Stack, keys: dict[str, str]
+) -> None:
+    """The model's queue (limit 2) holds create_model and seq 2: a new seq 3 is 429, but an
+    identical retry of seq 2 gets 200 and the request id it got the first time."""
+    api = Api(small.base_url, keys["acme"])
+    model = api.model()
+    first = api.fwdbwd(model, 2, [datum([1, 2])])
+    assert first.status_code == 200
+    assert api.fwdbwd(model, 3, [datum([1, 2])]).status_code == 429
+    retry = api.fwdbwd(model, 2, [datum([1, 2])])
+    assert retry.status_code == 200
+    assert retry.json()["request_id"] == first.json()["request_id"]
+
+
 def test_keys_file_mode_unknown_key_401_known_key_is_its_tenant(small: Stack, keys: dict[str, str]) -> None:
     unknown = httpx.post(
         f"{small.base_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-unknown"}
