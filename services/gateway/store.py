@@ -30,7 +30,7 @@ S = TypeVar("S", bound=msgspec.Struct)
 class Store:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
-        self._immutable_cache: dict[tuple[str, str], object] = {}
+        self._kept: dict[tuple[str, str], object] = {}  # see `owned(.., kept=True)`
 
     async def get(self, bucket: str, key: str, type_: type[T]) -> T | None:
         kv = await self._bus.kv(bucket)
@@ -42,12 +42,22 @@ class Store:
             return None
         return codec.from_json(entry.value, type_)
 
-    async def owned(self, bucket: str, record_id: str, type_: type[R], tenant_id: str, what: str) -> R:
+    async def owned(
+        self, bucket: str, record_id: str, type_: type[R], tenant_id: str, what: str, *, kept: bool = False
+    ) -> R:
         """The record if it exists and belongs to `tenant_id`; 404 otherwise.
 
-        Unknown and foreign are the same answer on purpose: existence is never leaked.
+        Unknown and foreign are the same answer on purpose: existence is never leaked. With `kept`,
+        a record once found is kept for the process and answered without a read: only for records
+        that are never deleted, by callers that read only the fields fixed when the record was
+        created (its owner, base model, rank), never the ones that change later.
         """
-        record = await self.get(bucket, ids.token(record_id), type_) if ids.is_valid_id(record_id) else None
+        key = (bucket, record_id)
+        record: R | None = self._kept.get(key) if kept else None  # type: ignore[assignment]
+        if record is None and ids.is_valid_id(record_id):
+            record = await self.get(bucket, ids.token(record_id), type_)
+            if kept and record is not None:
+                self._kept[key] = record
         if record is None or record.tenant != tenant_id:
             raise NotFound(f"{what} {record_id!r} not found")
         return record

@@ -258,7 +258,7 @@ async def optim_step(data: w.OptimStepRequest, gateway: Gateway, tenant: Tenant)
 @post("/api/v1/unload_model", status_code=200, operation_id="unload_model")
 async def unload_model(data: w.UnloadModelRequest, gateway: Gateway, tenant: Tenant) -> w.UntypedAPIFuture:
     """Free the model's adapter slot once everything already submitted has run (checkpoints stay)."""
-    record = await owned_model(gateway, tenant, data.model_id)
+    record = await owned_model(gateway, tenant, data.model_id, current=True)
     return _future(await unload(gateway, record), record.model_id)
 
 
