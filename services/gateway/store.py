@@ -6,6 +6,7 @@ replicas agree on identities without a lock.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -17,6 +18,9 @@ from libs.contracts import codec, ids
 from services.gateway.http.errors import NotFound
 
 T = TypeVar("T")
+
+KEPT_RECORDS = 50_000
+"""At most this many records are kept by `Store.get(.., kept=True)` (a few hundred bytes each)."""
 
 
 class HasTenant(Protocol):
@@ -30,9 +34,15 @@ S = TypeVar("S", bound=msgspec.Struct)
 class Store:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
-        self._kept: dict[tuple[str, str], object] = {}  # see `owned(.., kept=True)`
+        self._kept: OrderedDict[tuple[str, str], object] = OrderedDict()  # (bucket, key) -> record: see `get`
 
-    async def get(self, bucket: str, key: str, type_: type[T]) -> T | None:
+    async def get(self, bucket: str, key: str, type_: type[T], *, kept: bool = False) -> T | None:
+        """The record at `key`, or None. With `kept`, a record once found is kept for the process
+        and answered without a read: only for records that are never deleted, by callers that
+        read only the fields fixed when the record was created (an owner, a base model, a rank),
+        never the ones that change later."""
+        if kept and (found := self._kept.get((bucket, key))) is not None:
+            return found  # type: ignore[return-value]
         kv = await self._bus.kv(bucket)
         try:
             entry = await kv.get(key)
@@ -40,24 +50,23 @@ class Store:
             return None
         if entry.value is None:
             return None
-        return codec.from_json(entry.value, type_)
+        record = codec.from_json(entry.value, type_)
+        if kept:
+            self._kept[(bucket, key)] = record
+            if len(self._kept) > KEPT_RECORDS:
+                self._kept.popitem(last=False)  # the oldest is read again when it is next asked for
+        return record
 
     async def owned(
         self, bucket: str, record_id: str, type_: type[R], tenant_id: str, what: str, *, kept: bool = False
     ) -> R:
-        """The record if it exists and belongs to `tenant_id`; 404 otherwise.
+        """The record if it exists and belongs to `tenant_id`; 404 otherwise (`kept`: see `get`).
 
-        Unknown and foreign are the same answer on purpose: existence is never leaked. With `kept`,
-        a record once found is kept for the process and answered without a read: only for records
-        that are never deleted, by callers that read only the fields fixed when the record was
-        created (its owner, base model, rank), never the ones that change later.
+        Unknown and foreign are the same answer on purpose: existence is never leaked.
         """
-        key = (bucket, record_id)
-        record: R | None = self._kept.get(key) if kept else None  # type: ignore[assignment]
-        if record is None and ids.is_valid_id(record_id):
-            record = await self.get(bucket, ids.token(record_id), type_)
-            if kept and record is not None:
-                self._kept[key] = record
+        record = None
+        if ids.is_valid_id(record_id):
+            record = await self.get(bucket, ids.token(record_id), type_, kept=kept)
         if record is None or record.tenant != tenant_id:
             raise NotFound(f"{what} {record_id!r} not found")
         return record

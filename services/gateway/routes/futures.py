@@ -39,7 +39,8 @@ async def _owner(gateway: Gateway, request_id: str) -> tuple[str | None, SeqClai
         sampler = await gateway.store.get(s.KV_SAMPLERS, ids.token(entity), SamplerRecord)
         claim = await gateway.store.get(s.KV_SAMPLE_SEQ, ids.seq_key(entity, int(seq)), SeqClaim)
         return (sampler.tenant if sampler else None), claim
-    model = await gateway.store.get(s.KV_MODELS, ids.token(entity), ModelRecord)
+    # a model's owner never changes: its record, once found, is kept (`Store.get`)
+    model = await gateway.store.get(s.KV_MODELS, ids.token(entity), ModelRecord, kept=True)
     claim = await gateway.store.get(s.KV_SEQ, ids.seq_key(entity, int(seq)), SeqClaim)
     return (model.tenant if model else None), claim
 
