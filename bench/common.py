@@ -436,6 +436,24 @@ def sft_datum(tokens: Sequence[int]) -> Any:
     return types.Datum(model_input=types.ModelInput.from_ints(list(tokens[:-1])), loss_fn_inputs=inputs)
 
 
+
+def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
+    """The median milliseconds of ``fn`` on the current CUDA stream over ``reps`` calls, each
+    between two CUDA events (after ``warmup`` untimed calls)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
+
 def random_tokens(seed: int, n: int, vocab: int, low: int = 4) -> list[int]:
     import numpy as np
 

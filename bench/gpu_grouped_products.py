@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from bench.common import cuda_median_ms
 
 LAYERS = 36
 MODULES = {  # name: (in, out, parts, count per step)
@@ -37,21 +38,6 @@ MODULES = {  # name: (in, out, parts, count per step)
     "fc2": (12288, 4096, 1, LAYERS),
     "output": (4096, 151936, 1, 1),
 }
-
-
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls, each between two CUDA events."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 Product = tuple[Callable[[], object], Callable[[], object], Callable[[], object], int]
@@ -144,9 +130,9 @@ def main() -> None:
                 "module": name,
                 "product": product,
                 "count": count,
-                "mm_ms": timed(one, args.reps),
-                "grouped_ms": timed(grouped, args.reps),
-                "per_segment_ms": timed(loop, args.reps),
+                "mm_ms": cuda_median_ms(one, args.reps, warmup=3),
+                "grouped_ms": cuda_median_ms(grouped, args.reps, warmup=3),
+                "per_segment_ms": cuda_median_ms(loop, args.reps, warmup=3),
                 "floor_ms": grouped_bytes / args.bandwidth * 1e3,
             }
             rows.append(row)

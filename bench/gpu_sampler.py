@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from bench.common import (  # noqa: E402
     QWEN3_8B,
     BenchRun,
     Shape,
+    cuda_median_ms,
     lora_modules,
     markdown_table,
     shaped_model_dir,
@@ -156,17 +156,8 @@ class Bench(BenchRun):
             }
             src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
-            for _ in range(3):
-                dst.copy_(src)
-            times = []
-            for _ in range(10):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst.copy_(src)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            info["copy_tb_s"] = 2 * src.numel() / statistics.median(times) / 1e12
+            copy_ms = cuda_median_ms(lambda: dst.copy_(src), reps=10, warmup=3)
+            info["copy_tb_s"] = 2 * src.numel() / (copy_ms / 1e3) / 1e12
             del src, dst
         self.results.put("env", "info", info)
         self.log("env", info)
@@ -309,15 +300,7 @@ class Bench(BenchRun):
             engine._step_outputs(batch, window, span)
 
             def replay_ms(fn: Callable[[], Any]) -> float:
-                times = []
-                for _ in range(20):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                return float(statistics.median(times))
+                return cuda_median_ms(fn, reps=20)
 
             def step(batch: int = batch, span: int = span) -> Any:
                 return engine._step_outputs(batch, window, span)
