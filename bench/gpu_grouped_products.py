@@ -101,7 +101,9 @@ def products(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--groups", type=int, default=8)
@@ -139,7 +141,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del x, g, h, dh, a, b
         torch.cuda.empty_cache()
-    (args.out / "products.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    (args.out / "products.json").write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
+    )
     lines = [
         f"{torch.cuda.get_device_name()}, T={t}, {n_groups} groups, rank {args.rank}; ms per call, and per step (x count)",
         "",

@@ -101,7 +101,9 @@ class Store:
     async def scan(self, bucket: str, type_: type[T], prefix: str = "") -> list[tuple[str, T]]:
         """Every live (key, record) of `bucket` whose key starts with `prefix`, in one pass."""
         entries = await kv_scan(self._bus, bucket)
-        return [(key, codec.from_json(value, type_)) for key, value in entries.items() if key.startswith(prefix)]
+        return [
+            (key, codec.from_json(value, type_)) for key, value in entries.items() if key.startswith(prefix)
+        ]
 
     async def update(
         self, bucket: str, key: str, type_: type[S], change: Callable[[S], S | None]

@@ -68,14 +68,18 @@ def fingerprint_json(kind: str, body: object, exclude: tuple[str, ...] = ()) -> 
     return hashlib.sha256(kind.encode() + b"|" + canonical).hexdigest()
 
 
-async def owned_model(gateway: Gateway, tenant: Tenant, model_id: str, *, current: bool = False) -> ModelRecord:
+async def owned_model(
+    gateway: Gateway, tenant: Tenant, model_id: str, *, current: bool = False
+) -> ModelRecord:
     """The model if it exists and belongs to the caller; 404 otherwise (existence is not leaked).
     A run made by copy_weights only holds its copy: any training call on it is a 400.
 
     Model records are never deleted, and their owner, base model, rank and `copy_of` never
     change: the record a gateway once found answers the next calls without a read. `current`
     reads it again, for a caller that needs a field that changes (`unloaded`)."""
-    model = await gateway.store.owned(s.KV_MODELS, model_id, ModelRecord, tenant.id, "model", kept=not current)
+    model = await gateway.store.owned(
+        s.KV_MODELS, model_id, ModelRecord, tenant.id, "model", kept=not current
+    )
     if model.copy_of is not None:
         raise BadRequest(
             f"training run {model_id} holds a copy of {model.copy_of} and cannot be trained on; "

@@ -51,7 +51,9 @@ def fused_supported(t: torch.Tensor) -> bool:
     return FUSED.usable(t.device)
 
 
-def block_diagonal(b: torch.Tensor, part_mask: torch.Tensor | None, row_part: torch.Tensor | None) -> torch.Tensor:
+def block_diagonal(
+    b: torch.Tensor, part_mask: torch.Tensor | None, row_part: torch.Tensor | None
+) -> torch.Tensor:
     """``B_bd [.., out, parts*r]`` from ``b [.., out, r]`` (2 or 3 dims): row ``o`` holds
     ``b[.., o, :]`` in the columns of its part, zeros elsewhere (``part_mask [out, parts]`` is the
     one-hot of each row's part, ``row_part [out]`` int32 the part itself; both None: ``b``).
@@ -70,7 +72,9 @@ def block_diagonal(b: torch.Tensor, part_mask: torch.Tensor | None, row_part: to
 
 def _block_diagonal_where(b: torch.Tensor, part_mask: torch.Tensor) -> torch.Tensor:
     out, parts = part_mask.shape
-    picked = torch.where(part_mask.view(out, parts, 1), b.unsqueeze(-2), b.new_zeros(()))  # [.., out, parts, r]
+    picked = torch.where(
+        part_mask.view(out, parts, 1), b.unsqueeze(-2), b.new_zeros(())
+    )  # [.., out, parts, r]
     return picked.flatten(-2)  # [.., out, parts*r]
 
 
@@ -208,7 +212,9 @@ def _mismatch(device: torch.device) -> str:
     return "; ".join(problems)
 
 
-FUSED = KernelProbe("the grouped path's factor kernels", "torch.where, gathers and strided additions", _mismatch)
+FUSED = KernelProbe(
+    "the grouped path's factor kernels", "torch.where, gathers and strided additions", _mismatch
+)
 
 
 if triton is not None:
@@ -255,7 +261,9 @@ if triton is not None:
             part = tl.load(row_part_ptr + i, mask=row_in, other=0).to(tl.int64)
             src_col = src_col + (part * rank)[:, None]
         wide = i[:, None].to(tl.int64)
-        src = tl.load(src_ptr + group * src_group_stride + wide * src_row_stride + src_col, mask=inside, other=0.0)
+        src = tl.load(
+            src_ptr + group * src_group_stride + wide * src_row_stride + src_col, mask=inside, other=0.0
+        )
         value = src.to(tl.float32)
         if HAS_SCALES:
             value = value * tl.load(scales_ptr + k)

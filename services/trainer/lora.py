@@ -397,7 +397,8 @@ class SlotAdapter(nn.Module):
         made block diagonal. Its gradient goes to the slot's gradient row (``_ToRows``)."""
         # contiguous, as a cast would leave it: the GEMMs' backward picks its layout by b's strides
         _, b_rows, positions = self._compute(dtype)
-        b = factor_rows.block_diagonal(b_rows[positions[slot], :, :rank].contiguous(), self.part_mask, self.row_part)
+        b_slot = b_rows[positions[slot], :, :rank].contiguous()
+        b = factor_rows.block_diagonal(b_slot, self.part_mask, self.row_part)
         scale = lora_scaling(self.routing.configs[slot].rank)
         grads = self.lora_B.grad
         assert grads is not None
@@ -538,7 +539,9 @@ class SlotAdapter(nn.Module):
 
         def b_sink(g: torch.Tensor) -> None:  # [G, out, w]
             if fused:
-                factor_rows.add_b_grads(b_grads, g, layout.real, layout.real_slots, layout.real_scale, r, self.row_part)
+                factor_rows.add_b_grads(
+                    b_grads, g, layout.real, layout.real_slots, layout.real_scale, r, self.row_part
+                )
                 return
             real = self._diagonal((g if layout.every else g.index_select(0, layout.real))[..., :width], r)
             if layout.scale is not None:  # one alpha/rank for all: the addition scales (no product)

@@ -81,7 +81,9 @@ def test_cuda_a_gradients_add_into_their_own_slots_rows_within_one_rounding() ->
     grads[1, 30, 9] = float("nan")
     groups = torch.tensor([2, 1, 0], device="cuda")
     slots = torch.tensor([5, 0, 3], device="cuda")
-    exact = _exact_sums(dest, grads[:, : parts * rank].unflatten(1, (parts, rank)).double()[groups], slots, rank)
+    exact = _exact_sums(
+        dest, grads[:, : parts * rank].unflatten(1, (parts, rank)).double()[groups], slots, rank
+    )
     got = dest.clone()
     factor_rows.add_a_grads(got, grads, groups, slots, rank)
     assert torch.equal(got[[1, 2, 4]], dest[[1, 2, 4]])
