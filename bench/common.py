@@ -156,6 +156,24 @@ def time_calls(
     return times, result
 
 
+def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
+    """The median milliseconds of ``fn`` on the current CUDA stream over ``reps`` calls, each
+    between two CUDA events (after ``warmup`` untimed calls)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
+
+
 def summarize(times: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
@@ -437,22 +455,6 @@ def sft_datum(tokens: Sequence[int]) -> Any:
 
 
 
-def cuda_median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
-    """The median milliseconds of ``fn`` on the current CUDA stream over ``reps`` calls, each
-    between two CUDA events (after ``warmup`` untimed calls)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(statistics.median(times))
 
 def random_tokens(seed: int, n: int, vocab: int, low: int = 4) -> list[int]:
     import numpy as np

@@ -48,7 +48,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import QWEN3_8B, BenchRun, Shape, lora_modules, markdown_table, shaped_model_dir  # noqa: E402
+from bench.common import (  # noqa: E402
+    QWEN3_8B,
+    BenchRun,
+    Shape,
+    lora_modules,
+    markdown_table,
+    shaped_model_dir,
+    time_calls,
+)
 from tinkerd.launcher import launch_mode  # noqa: E402
 
 RANK = 32
@@ -182,14 +190,8 @@ class Bench(BenchRun):
         iters = 2 if self.tiny else 5
 
         def measure(engine: TrainerEngine, datums: list[Any]) -> float:
-            engine.forward_backward(datums, "cross_entropy")  # warm-up
-            times = []
-            for _ in range(iters):
-                self.sync()
-                t = time.perf_counter()
-                engine.forward_backward(datums, "cross_entropy")
-                self.sync()
-                times.append(time.perf_counter() - t)
+            step = functools.partial(engine.forward_backward, datums, "cross_entropy")
+            times, _ = time_calls(step, 1, iters, self.sync)
             return float(np.median(times))
 
         for name, *_ in FB_WORKLOADS:  # each on its own: one the card cannot hold leaves the others
