@@ -86,7 +86,12 @@ class Hold:
             timer.cancel()
 
     async def _end(self, group: str, until_ns: int) -> None:
-        await asyncio.sleep(max(0.0, (until_ns - time.monotonic_ns()) / 1e9))  # a deadline, not synchronisation
+        # A deadline, not synchronisation. The event loop may fire a timer before the clock that
+        # `holding` reads has passed it (uvloop arms timers in whole milliseconds from its cached
+        # time); woken then, the caller would find the hold still on and no timer left to end it,
+        # and the unit would wait for the next message to arrive. So sleep until it has passed.
+        while (left_ns := until_ns - time.monotonic_ns()) > 0:
+            await asyncio.sleep(left_ns / 1e9)
         await self._wake(group, until_ns)
 
     def _ended(self, timer: asyncio.Task[None]) -> None:

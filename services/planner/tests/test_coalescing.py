@@ -6,8 +6,12 @@ No NATS: `_holding` reads only the folded state, the config and the clock it is 
 from __future__ import annotations
 
 import asyncio
+import math
+
+import pytest
 
 from libs.contracts.work import WorkUnit
+from services.planner import hold
 from services.planner.config import PlannerConfig
 from services.planner.inputs import DEFAULT_GROUP
 from services.planner.service import PlannerService
@@ -79,6 +83,45 @@ def test_a_hold_ends_at_its_deadline() -> None:
         assert service._holding(unit, 1_024 * MS)
         assert not service._holding(unit, 1_025 * MS)
         stop_timers(service)
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_whose_timer_fires_early_ends_only_once_its_deadline_has_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event loop may fire a timer before the hold's clock reaches its deadline (uvloop arms
+    timers in whole milliseconds from a cached time). The planner is woken once, with the
+    deadline passed, and the unit is no longer held then: woken early, it would have found the
+    hold still on and no timer left to end it."""
+    clock = [1_000 * MS]
+    real_sleep = asyncio.sleep
+
+    async def early_timer(delay: float) -> None:  # every timer fires after half its delay
+        clock[0] += math.ceil(delay * 1e9 / 2)
+        await real_sleep(0)
+
+    monkeypatch.setattr(hold.time, "monotonic_ns", lambda: clock[0])
+    monkeypatch.setattr(hold.asyncio, "sleep", early_timer)
+
+    async def scenario() -> None:
+        sim = started("a", "b")
+        service = service_with(sim, {"a", "b"}, coalesce_ms=25.0)
+        woken: list[tuple[str, int, int]] = []
+
+        async def wake(group: str, until_ns: int) -> None:
+            woken.append((group, until_ns, clock[0]))
+
+        service.hold._wake = wake
+        sim.send(fb("a", 1, [4]))
+        unit = next_work(sim)
+        assert service._holding(unit, clock[0])
+        await asyncio.gather(*service.hold.timers)
+        assert [(group, until) for group, until, _ in woken] == [(DEFAULT_GROUP, 1_025 * MS)]
+        woken_at = woken[0][2]
+        assert woken_at >= 1_025 * MS
+        assert service.hold.due(DEFAULT_GROUP, 1_025 * MS)
+        assert not service._holding(unit, woken_at)
 
     asyncio.run(scenario())
 
