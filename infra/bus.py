@@ -152,11 +152,10 @@ through first.)"""
 
 IDLE_FETCH_S = 1.0
 """How long a fetch waits for messages on an idle stream: also the longest `stop` waits for it (a
-fetch is never cancelled, which could strand a delivered message until its ack wait). Not
-shorter: with 0.25 s, the planner's fetch of an optim_step's outcome stalled about 207 ms on the
-H200 stack (p50 of 5; 0.7 ms with 1.0 s, `bench/gpu_stack.py` stage "4b"; not seen on a 2-core
-CPU stack). Likely the race nats-py's fetch describes: a pull request the client has already given
-up on catches the next message, and the following fetch waits out its window."""
+fetch is never cancelled, which could strand a delivered message until its ack wait)."""
+
+FOLLOW_FETCH_S = 0.05
+"""How long a follow-up fetch (`fetch_loop`) waits for messages the server said were pending."""
 
 
 async def fetch_loop(
@@ -170,10 +169,15 @@ async def fetch_loop(
 
     `handle` acks what it has made durable; anything unacked is redelivered after the consumer's
     ack wait, which is why every handler must be idempotent.
+
+    A batch is one message waited for, then the messages the server says are pending behind it
+    (`num_pending`), fetched without waiting for more. nats-py's `fetch(n > 1)` can otherwise
+    hold a message it already has until `n` arrive or its window ends: from an idle stream, about
+    one message in thirty (published near a window's end) waited out the whole window.
     """
     while not stop.is_set():
         try:
-            msgs = await sub.fetch(batch, timeout=wait_s)
+            msgs = await sub.fetch(1, timeout=wait_s)
         except (nats.errors.TimeoutError, TimeoutError):
             continue
         except nats.errors.ConnectionClosedError:
@@ -181,6 +185,11 @@ async def fetch_loop(
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             await fetch_failed(exc, stop)
             continue
+        while len(msgs) < batch and (pending := msgs[-1].metadata.num_pending) > 0:
+            try:
+                msgs += await sub.fetch(min(batch - len(msgs), pending), timeout=FOLLOW_FETCH_S)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                break  # what was fetched is handled; the rest comes with the next fetch
         await handle(msgs)
 
 
