@@ -146,9 +146,20 @@ class Shelf:
         handover = self._held.pop(request_id, None)
         if handover is None:
             return
-        self._durable[request_id] = (handover, time.monotonic() + self.keep_s)
+        until = time.monotonic() + self.keep_s
+        self._durable[request_id] = (handover, until)
         with contextlib.suppress(RuntimeError):  # no running loop (tests call it directly)
-            asyncio.get_running_loop().call_later(self.keep_s, self.prune)
+            asyncio.get_running_loop().call_later(self.keep_s, self._prune_at, until)
+        self.prune()
+
+    def _prune_at(self, until: float) -> None:
+        """Prune once the clock has passed ``until``. The event loop may fire a timer early
+        (uvloop's are whole milliseconds from a cached time): then wait out the rest, or the
+        handover would stay until the next save's prune."""
+        left = until - time.monotonic()
+        if left > 0:
+            asyncio.get_running_loop().call_later(left, self._prune_at, until)
+            return
         self.prune()
 
     def prune(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,6 +114,42 @@ def test_the_shelf_keeps_handovers_until_durable_then_the_newest_limit_of_them_u
     assert not segments[2].exists(), "a handover past keep_s after its files were durable was kept"
     shelf.durable("r1")  # a second report changes nothing
     assert segments[1].exists()
+
+
+def test_a_durable_handover_whose_timer_fires_early_is_released_once_keep_s_has_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event loop may fire a timer before the shelf's clock reaches its deadline (uvloop arms
+    timers in whole milliseconds from a cached time): the handover then stays until `keep_s` has
+    passed and is released by a timer for the rest, not left until the next save prunes."""
+    clock = [1_000.0]
+    monkeypatch.setattr(handover_module.time, "monotonic", lambda: clock[0])
+    timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(loop, "call_later", lambda delay, fn, *args: timers.append((delay, fn, args)))
+        shelf = Shelf(keep_s=60.0, limit=4)
+        handover = Handover("r0", {"w": torch.ones(2, 3)}, {"r": 1})
+        shelf.hold(handover)
+        shelf.durable("r0")
+        segment = handover.segment
+        assert segment is not None and segment.exists()
+        assert [delay for delay, _, _ in timers] == [60.0]
+
+        clock[0] += 59.9995  # the timer fires half a millisecond early
+        _, fn, args = timers.pop()
+        fn(*args)
+        assert segment.exists(), "a handover was released before keep_s had passed"
+        assert len(timers) == 1 and 0 < timers[0][0] <= 0.0005 + 1e-9, "no timer was left for the rest"
+
+        clock[0] += 0.0005
+        _, fn, args = timers.pop()
+        fn(*args)
+        assert not segment.exists(), "a handover past keep_s was kept"
+        assert not timers
+
+    asyncio.run(scenario())
 
 
 def test_an_ephemeral_export_is_handed_over_or_without_room_for_it_written_as_files_alone(
