@@ -92,6 +92,11 @@ class Bench(BenchRun):
         self.data_dir = self.work / "data"
         self.model_dir = self.data_dir / "models" / MODEL_NAME
         self.engine_fb: dict[str, float] = {}
+        self.workloads = [
+            name
+            for name, tenants, docs, length in FB_WORKLOADS
+            if args.max_tokens is None or tenants * docs * length <= args.max_tokens
+        ]
 
     def n(self, length: int) -> int:
         """Document length: as given on the GPU, 1/32 of it (at least 8) in --tiny."""
@@ -194,7 +199,7 @@ class Bench(BenchRun):
             times, _ = time_calls(step, 1, iters, self.sync)
             return float(np.median(times))
 
-        for name, *_ in FB_WORKLOADS:  # each on its own: one the card cannot hold leaves the others
+        for name in self.workloads:  # each on its own: one the card cannot hold leaves the others
             datums = [
                 DatumInput(
                     tenant,
@@ -472,7 +477,7 @@ class Bench(BenchRun):
 
             # forward_backward tokens/s through the SDK, same batches as the engine section; each
             # workload on its own (one the trainer cannot hold beside the sampler leaves the rest).
-            for name, *_ in FB_WORKLOADS:
+            for name in self.workloads:
                 per_tenant: dict[int, list[Any]] = {}
                 for tenant, seq in self.fb_datums(name):
                     per_tenant.setdefault(tenant, []).append(sft_datum(seq))
@@ -841,6 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     parser.add_argument("--sections", default="model,engine,sampler,stack,rl")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="skip forward_backward workloads of more tokens (a card of less memory)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
