@@ -434,7 +434,7 @@ class Bench(BenchRun):
         env = {
             "TINKERD_BASE_MODEL": str(self.model_dir),
             "TINKERD_SAMPLER_MODEL_PATH": str(self.model_dir),
-            "TINKERD_NUM_SLOTS": "16",
+            "TINKERD_NUM_SLOTS": str(self.args.slots),
             "TINKERD_MAX_LORA_RANK": str(RANK),
             "TINKERD_SAMPLER_MAX_BATCH_SIZE": "64",
             "TINKERD_SAMPLER_MAX_LOADED_LORAS": "8",
@@ -848,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later work is skipped")
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="skip forward_backward workloads of more tokens (a card of less memory)"
+    )
+    parser.add_argument(
+        "--slots", type=int, default=16, help="the stack trainer's adapter slots (each holds 3 x 369 MB on the GPU)"
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
