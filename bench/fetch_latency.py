@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import dist  # noqa: E402
 from infra.bus import IDLE_FETCH_S, Bus, fetch_loop  # noqa: E402
 from infra.natsd import start_nats  # noqa: E402
 
@@ -101,10 +102,10 @@ def main() -> None:
             print("| loop | p50 ms | p99 ms | max ms | over 50 ms |")
             print("|---|---|---|---|---|")
             for name in ("fetch_loop", "fetch_batch"):
-                lat = sorted(asyncio.run(run(server.url, name, args.messages, args.seed)))
-                p50, p99 = (1000 * lat[min(len(lat) - 1, int(q * len(lat)))] for q in (0.5, 0.99))
+                lat = asyncio.run(run(server.url, name, args.messages, args.seed))
+                ms = dist(lat, scale=1000)
                 over = sum(x > 0.05 for x in lat)
-                print(f"| {name} | {p50:.2f} | {p99:.1f} | {1000 * lat[-1]:.1f} | {over} of {len(lat)} |")
+                print(f"| {name} | {ms['p50']:.2f} | {ms['p99']:.1f} | {ms['max']:.1f} | {over} of {len(lat)} |")
         finally:
             server.stop()
 
