@@ -173,7 +173,7 @@ async def fetch_loop(
     A batch is one message waited for, then the messages the server says are pending behind it
     (`num_pending`), fetched without waiting for more. nats-py's `fetch(n > 1)` can otherwise
     hold a message it already has until `n` arrive or its window ends: from an idle stream, one
-    message in 11 to 17 (published near a window's end) waited out the whole window
+    message in 11 to 33 (published near a window's end) waited out the whole window
     (`bench/fetch_latency.py`).
     """
     while not stop.is_set():
