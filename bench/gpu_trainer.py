@@ -422,7 +422,7 @@ class Bench(BenchRun):
             self.results.put("engine", "step_graphs", counts)
             self.log("step graphs", counts)
             engine.step_graphs = None
-            limit = engine.config.step_graph_max_tokens
+            limit = engine.step_graph_max_tokens
             for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
                     run(name, doc_len, docs, tenants, label=f"{backend} eager")

@@ -36,11 +36,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``forward_backward`` calls of at most ``step_graph_max_tokens`` (padded) tokens, whose models
     train the same modules, run at static shapes, replayed as CUDA graphs on CUDA
     (services/trainer/step_graphs.py; TP=1): on, off, or unset: on CUDA, off on CPU."""
-    step_graph_max_tokens: int = 2048
-    """The largest step recorded; the recordings keep the largest one's activations reserved
-    (beside any longer step, which runs eagerly). On the H200 at the 8B shape a replay gains 2.1x
-    at 1,024 tokens, 1.4x at 2,048 and 1-3 % at 4,096 (docs/benchmarks.md), so the default stops
-    where the reserve stops paying."""
+    step_graph_max_tokens: int | None = None
+    """The largest step recorded; unset: 4,096 tokens on a card of at least 120 GiB, 2,048 on a
+    smaller one (engine.step_graph_tokens_for). The recordings keep the largest one's activations
+    reserved beside any longer step, which runs eagerly. On the H200 at the 8B shape a replay gains
+    2.1x at 1,024 tokens and 1.4x at 2,048, and at 4,096 it takes the host's launches off a step
+    its host runs about as slowly as its GPU (docs/benchmarks.md)."""
     heartbeat_s: float = 5.0
     snapshot_every_steps: int = 20
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""

@@ -72,7 +72,22 @@ class EngineConfig:
     # varlen_flash_cudnn or sdpa_per_document backend. None: on CUDA, off on CPU (where a static
     # step is only padding)
     step_graphs: bool | None = None
-    step_graph_max_tokens: int = 2048  # see TrainerConfig.step_graph_max_tokens
+    step_graph_max_tokens: int | None = None  # None: step_graph_tokens_for(device); see TrainerConfig
+
+
+LARGE_CARD_BYTES = 120 << 30
+"""A card of at least this much memory records steps of up to 4,096 tokens by default."""
+
+
+def step_graph_tokens_for(device: torch.device) -> int:
+    """The largest step recorded by default: 4,096 tokens on a card of at least ``LARGE_CARD_BYTES``
+    (an H200: a host that launches an eager 4,096-token step of the 8B shape about as slowly as its
+    GPU runs it, docs/benchmarks.md), 2,048 elsewhere (the recordings' pool keeps the largest
+    one's activations reserved beside any longer eager step: 6 GiB at 2,048 tokens, twice that at
+    4,096, which an 80 GB card running 8,192-token steps beside a sampler does not have)."""
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_CARD_BYTES:
+        return 4096
+    return 2048
 
 
 def resolve_backend(name: str, device: str) -> str:
@@ -144,6 +159,11 @@ class TrainerEngine:
         self._changes = 0
         self._versions: dict[int, str] = {}
         graphed = config.step_graphs if config.step_graphs is not None else self.device.type == "cuda"
+        self.step_graph_max_tokens = (
+            config.step_graph_max_tokens
+            if config.step_graph_max_tokens is not None
+            else step_graph_tokens_for(self.device)
+        )
         self.step_graphs = self.new_step_graphs() if graphed else None
         self.snapshot_buffers = slot_state.HostBuffers()  # see get_slot_state(for_snapshot=True)
         # a save's copy of its slot, on CUDA (state/checkpoints.py)
@@ -385,7 +405,7 @@ class TrainerEngine:
         tokens = sum(d.num_tokens for d in datums)
         padded = -(-tokens // TOKEN_STEP) * TOKEN_STEP
         local_vocab = self.shape.vocab_size // self.tp_size
-        return padded <= self.config.step_graph_max_tokens and not resolve_fused_ce(
+        return padded <= self.step_graph_max_tokens and not resolve_fused_ce(
             self.fused_ce, self.config.device, padded, local_vocab
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,14 @@ from services.trainer.attention import (
     document_ids,
     one_long_document,
 )
-from services.trainer.engine import AdamParams, DatumInput, EngineConfig, TrainerEngine
+from services.trainer.engine import (
+    LARGE_CARD_BYTES,
+    AdamParams,
+    DatumInput,
+    EngineConfig,
+    TrainerEngine,
+    step_graph_tokens_for,
+)
 from services.trainer.step_graphs import StepShape
 from services.trainer.tests.helpers import ce_datum, randomize_slot, record_causal_sdpa
 
@@ -262,11 +270,22 @@ def test_batches_of_mixed_modules_or_past_the_token_limit_take_the_plain_path(
     assert static._graphed([ce_datum(rng, 0, 10)], top_k=False)
     assert static._graphed([ce_datum(rng, 0, 10), ce_datum(rng, 2, 10)], top_k=False)
     assert not static._graphed([ce_datum(rng, 0, 10)], top_k=True)
-    limit = static.config.step_graph_max_tokens
+    limit = static.step_graph_max_tokens
     assert not static._graphed([ce_datum(rng, 0, limit + 1)], top_k=False)
     static.init_slot(3, LoraConfig(rank=4, seed=1, train_mlp=False))
     assert not static._graphed([ce_datum(rng, 0, 10), ce_datum(rng, 3, 10)], top_k=False)
     assert static._graphed([ce_datum(rng, 3, 10)], top_k=False)
+
+
+def test_the_default_step_limit_is_4096_tokens_on_a_card_of_120_gib_and_2048_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The card's total memory picks the default limit (the cards faked: pure logic)."""
+    totals = {0: LARGE_CARD_BYTES + (20 << 30), 1: 80 << 30}  # an H200's 141 GB, an H100's 80 GB
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=totals[d.index]))
+    assert step_graph_tokens_for(torch.device("cuda", 0)) == 4096
+    assert step_graph_tokens_for(torch.device("cuda", 1)) == 2048
+    assert step_graph_tokens_for(torch.device("cpu")) == 2048
 
 
 def _batch(rng: np.random.Generator, *docs: tuple[int, int]) -> list[DatumInput]:
