@@ -421,8 +421,19 @@ class Bench(BenchRun):
             counts = {"steps": graphs.steps, "recorded": graphs.recorded, "replays": graphs.replays}
             self.results.put("engine", "step_graphs", counts)
             self.log("step graphs", counts)
-            engine.step_graphs = None
             limit = engine.step_graph_max_tokens
+            # The one- and eight-tenant steps of the same tokens as replayed (profile_graphs_*.txt):
+            # where a static step of several slots spends its kernels' time.
+            for name in TENANT_PROFILE_WORKLOADS:
+                _, doc_len, docs, tenants = by_name[name]
+                if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s:
+                    batch = self.datums(self.doc_len(doc_len), docs, tenants)
+                    label = "graphs_" + name.replace(" ", "_")
+                    try:
+                        self.profile(functools.partial(engine.forward_backward, batch, "cross_entropy"), label)
+                    except Exception:
+                        self.results.error(f"profile/{label}", traceback.format_exc())
+            engine.step_graphs = None
             for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
                     run(name, doc_len, docs, tenants, label=f"{backend} eager")
