@@ -39,9 +39,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     step_graph_max_tokens: int | None = None
     """The largest step recorded; unset: 4,096 tokens on a card of at least 120 GiB, 2,048 on a
     smaller one (engine.step_graph_tokens_for). The recordings keep the largest one's activations
-    reserved beside any longer step, which runs eagerly. On the H200 at the 8B shape a replay gains
-    2.1x at 1,024 tokens and 1.4x at 2,048, and at 4,096 it takes the host's launches off a step
-    its host runs about as slowly as its GPU (docs/benchmarks.md)."""
+    reserved beside any longer step, which runs eagerly. At the 8B shape a replay gains 2.1x at
+    1,024 tokens and 1.4x at 2,048 on the H200, and 2-3 % at 4,096 on an H100 (docs/benchmarks.md)."""
     heartbeat_s: float = 5.0
     snapshot_every_steps: int = 20
     """Take an internal snapshot after this many optimizer steps (all slots together)..."""

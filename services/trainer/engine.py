@@ -80,11 +80,13 @@ LARGE_CARD_BYTES = 120 << 30
 
 
 def step_graph_tokens_for(device: torch.device) -> int:
-    """The largest step recorded by default: 4,096 tokens on a card of at least ``LARGE_CARD_BYTES``
-    (an H200: a host that launches an eager 4,096-token step of the 8B shape about as slowly as its
-    GPU runs it, docs/benchmarks.md), 2,048 elsewhere (the recordings' pool keeps the largest
-    one's activations reserved beside any longer eager step: 6 GiB at 2,048 tokens, twice that at
-    4,096, which an 80 GB card running 8,192-token steps beside a sampler does not have)."""
+    """The largest step recorded by default: 4,096 tokens on a card of at least ``LARGE_CARD_BYTES``,
+    2,048 elsewhere. A replayed 4,096-token step of the 8B shape is 2-3 % faster than the eager one
+    on an H100 and takes the host's launches off a step whose host (an H200's) launches it about as
+    slowly as the GPU runs it (docs/benchmarks.md); but the recordings' pool keeps the largest one's
+    activations reserved beside any longer eager step (6 GiB at 2,048 tokens in an 80 GB stack's
+    out-of-memory report, growing with the tokens), which an 80 GB card running 8,192-token steps
+    beside a sampler does not have."""
     if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_CARD_BYTES:
         return 4096
     return 2048
