@@ -63,6 +63,37 @@ class Call:
     warmup: bool
 
 
+class HttpLog:
+    """The SDK's HTTP requests timed from outside it: while installed, ``httpx.AsyncClient.send``
+    (the SDK's transport) is wrapped to record each request's path, when it was sent and when its
+    response came back (``time.time_ns``, the clock of ``Call``). A bench-only patch: it splits a
+    call's first and last stages into the SDK's own time and the server's."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int, int]] = []
+        self._original: Any = None
+
+    def __enter__(self) -> HttpLog:
+        import httpx
+
+        original = self._original = httpx.AsyncClient.send
+        requests = self.requests
+
+        async def send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            sent = time.time_ns()
+            response = await original(client, request, *args, **kwargs)
+            requests.append((request.url.path, sent, time.time_ns()))
+            return response
+
+        httpx.AsyncClient.send = send  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import httpx
+
+        httpx.AsyncClient.send = self._original  # type: ignore[method-assign]
+
+
 class SequentialClient:
     """One SDK client on one stack: ``forward_backward`` (one 64-token datum), then ``optim_step``."""
 
@@ -94,8 +125,11 @@ def stored_ns(msg: Any) -> int:
 
 
 def overhead_rows(
-    label: str, nats_url: str, model_id: str, calls: list[Call]
+    label: str, nats_url: str, model_id: str, calls: list[Call], http: HttpLog | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per call kind, the round trip against the trainer's compute, and the stages of the round
+    trip from event and storage timestamps (with ``http``, stages 1 and 5 split at the SDK's own
+    request and response)."""
     from libs.contracts import codec
     from libs.contracts import subjects as s
 
@@ -168,6 +202,16 @@ def overhead_rows(
         row["5 result published -> SDK has it (long-poll)"].append(
             (call.end_ns - completed[acc.request_id].at_ns) / 1e6
         )
+        if http is not None:  # the SDK's own time before its request and after the last response
+            mine_http = [r for r in http.requests if call.start_ns <= r[1] and r[2] <= call.end_ns]
+            submit = next(r for r in mine_http if r[0].endswith("/" + call.kind))
+            answer = [r for r in mine_http if r[0].endswith("/retrieve_future")][-1]
+            row["1a SDK call -> its request sent"].append((submit[1] - call.start_ns) / 1e6)
+            row["1b request sent -> gateway accepted"].append((acc.at_ns - submit[1]) / 1e6)
+            row["5a result published -> SDK's response received"].append(
+                (answer[2] - completed[acc.request_id].at_ns) / 1e6
+            )
+            row["5b response received -> SDK returns the result"].append((call.end_ns - answer[2]) / 1e6)
     summary, stages = [], []
     for kind, row in samples.items():
         d = {name: dist(values) for name, values in row.items()}
@@ -398,12 +442,13 @@ def main() -> None:
             "tracing off": SequentialClient(stack.base_url),
             "tracing jsonl": SequentialClient(traced.base_url),
         }
-        for i in range(warmup + reps):  # interleaved, so both stacks see the same machine
-            for client in clients.values():
-                client.step(warmup=i < warmup)
+        with HttpLog() as http:
+            for i in range(warmup + reps):  # interleaved, so both stacks see the same machine
+                for client in clients.values():
+                    client.step(warmup=i < warmup)
         summary, stages = [], []
         for (label, client), nats_url in zip(clients.items(), (stack.nats_url, traced.nats_url), strict=True):
-            rows_, stages_ = overhead_rows(label, nats_url, client.model_id, client.calls)
+            rows_, stages_ = overhead_rows(label, nats_url, client.model_id, client.calls, http)
             summary += rows_
             stages += stages_
         for kind in ("forward_backward", "optim_step"):

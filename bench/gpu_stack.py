@@ -632,19 +632,20 @@ class Bench(BenchRun):
 
     def overhead(self, stack: Any, client: Any, adam: Any) -> None:
         from bench.common import sft_datum
-        from bench.gateway_overhead import Call, overhead_rows
+        from bench.gateway_overhead import Call, HttpLog, overhead_rows
 
         datum = sft_datum(self.tokens(5, self.n(1024) + 1))
         calls: list[Call] = []
-        for i in range(6 if not self.tiny else 3):
-            for kind, call in (
-                ("forward_backward", lambda: client.forward_backward([datum], "cross_entropy")),
-                ("optim_step", lambda: client.optim_step(adam)),
-            ):
-                start = time.time_ns()
-                call().result()
-                calls.append(Call(kind, start, time.time_ns(), warmup=i == 0))
-        summary, stages = overhead_rows("gpu", stack.nats_url, client.model_id, calls)
+        with HttpLog() as http:
+            for i in range(6 if not self.tiny else 3):
+                for kind, call in (
+                    ("forward_backward", lambda: client.forward_backward([datum], "cross_entropy")),
+                    ("optim_step", lambda: client.optim_step(adam)),
+                ):
+                    start = time.time_ns()
+                    call().result()
+                    calls.append(Call(kind, start, time.time_ns(), warmup=i == 0))
+        summary, stages = overhead_rows("gpu", stack.nats_url, client.model_id, calls, http)
         self.results.put("overhead", "summary", summary)
         self.results.put("overhead", "stages", stages)
         for row in summary:
