@@ -404,6 +404,24 @@ class Bench(BenchRun):
             return m
 
         by_name = {w[0]: w for w in ENGINE_WORKLOADS}
+
+        def profile_tenants(prefix: str, max_tokens: int | None = None) -> None:
+            """One step of the same tokens for one tenant and for eight, profiled as the engine runs
+            them now (profile_<prefix>_16x256.txt beside profile_<prefix>_16x256_8_tenants.txt)."""
+            for name in TENANT_PROFILE_WORKLOADS:
+                _, doc_len, docs, tenants = by_name[name]
+                if not self.fits(name) or self.time_left() < self.reserve_s:
+                    continue
+                if max_tokens is not None and self.doc_len(doc_len) * docs > max_tokens:
+                    continue
+                batch = self.datums(self.doc_len(doc_len), docs, tenants)
+                label = f"{prefix}_" + name.replace(" ", "_")
+                try:
+                    self.profile(functools.partial(engine.forward_backward, batch, "cross_entropy"), label)
+                except Exception:
+                    self.results.error(f"profile/{label}", traceback.format_exc())
+                    self.log("!! profile", label, traceback.format_exc().splitlines()[-1])
+
         for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
             if not self.fits(name):
                 continue
@@ -422,17 +440,7 @@ class Bench(BenchRun):
             self.results.put("engine", "step_graphs", counts)
             self.log("step graphs", counts)
             limit = engine.step_graph_max_tokens
-            # The one- and eight-tenant steps of the same tokens as replayed (profile_graphs_*.txt):
-            # where a static step of several slots spends its kernels' time.
-            for name in TENANT_PROFILE_WORKLOADS:
-                _, doc_len, docs, tenants = by_name[name]
-                if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s:
-                    batch = self.datums(self.doc_len(doc_len), docs, tenants)
-                    label = "graphs_" + name.replace(" ", "_")
-                    try:
-                        self.profile(functools.partial(engine.forward_backward, batch, "cross_entropy"), label)
-                    except Exception:
-                        self.results.error(f"profile/{label}", traceback.format_exc())
+            profile_tenants("graphs", limit)  # as replayed: where a static step of several slots spends its time
             engine.step_graphs = None
             for name, doc_len, docs, tenants in ENGINE_WORKLOADS:
                 if self.fits(name) and self.doc_len(doc_len) * docs <= limit and self.time_left() > self.reserve_s + 40:
@@ -507,23 +515,9 @@ class Bench(BenchRun):
 
         # Profile of one step (after the warm runs above).
         self.profile(lambda: engine.forward_backward(datums, "cross_entropy"), "engine")
-        # ... and of the same tokens for one tenant and for eight: where the 8-tenant step's extra
-        # time goes (profile_engine_16x256.txt beside profile_engine_16x256_8_tenants.txt)
-        for name in TENANT_PROFILE_WORKLOADS:
-            if not self.fits(name) or self.time_left() < self.reserve_s:
-                continue
-            _, doc_len, docs, tenants = by_name[name]
-            batch = self.datums(self.doc_len(doc_len), docs, tenants)
-            label = "engine_" + name.replace(" ", "_")
-
-            def one_step(b: list[Any] = batch) -> Any:
-                return engine.forward_backward(b, "cross_entropy")
-
-            try:
-                self.profile(one_step, label)
-            except Exception:
-                self.results.error(f"profile/{label}", traceback.format_exc())
-                self.log("!! profile", label, traceback.format_exc().splitlines()[-1])
+        # ... and of the same tokens for one tenant and for eight, eagerly: where the 8-tenant
+        # step's extra time goes
+        profile_tenants("engine")
 
         # Optimizer on the engine's own 8-slot pool (grads exist from the steps above).
         hp = AdamParams(learning_rate=1e-5)
