@@ -281,10 +281,11 @@ def test_the_default_step_limit_is_4096_tokens_on_a_card_of_120_gib_and_2048_els
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The card's total memory picks the default limit (the cards faked: pure logic)."""
-    totals = {0: LARGE_CARD_BYTES + (20 << 30), 1: 80 << 30}  # an H200's 141 GB, an H100's 80 GB
+    totals = {0: LARGE_CARD_BYTES + (20 << 30), 1: 80 << 30, 2: LARGE_CARD_BYTES}  # an H200, an H100, the bound
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=totals[d.index]))
     assert step_graph_tokens_for(torch.device("cuda", 0)) == 4096
     assert step_graph_tokens_for(torch.device("cuda", 1)) == 2048
+    assert step_graph_tokens_for(torch.device("cuda", 2)) == 4096
     assert step_graph_tokens_for(torch.device("cpu")) == 2048
 
 
