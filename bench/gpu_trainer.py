@@ -37,6 +37,7 @@ profile_engine.txt and profile_hf.txt (top kernels), and whatever the caller tee
 
     python -m bench.gpu_trainer --out DIR            # the H200 run (docs/gpu.md)
     python -m bench.gpu_trainer --out DIR --tiny     # CPU smoke test of every code path
+    python -m bench.gpu_trainer --out DIR --no-variants --iters 11   # the default rows, more steps
 """
 
 from __future__ import annotations
@@ -450,7 +451,7 @@ class Bench(BenchRun):
         # (lora.base_in_epilogue): where the default adds the LoRA term in the base GEMM's
         # epilogue, "<backend> separate-base" rows hand the frozen linear its rows and add the LoRA
         # term onto its output; where it does not, "<backend> base-in-epilogue" rows do the former.
-        if self.cuda:
+        if self.cuda and self.args.variants:
             default_devices = lora.BASE_IN_EPILOGUE_DEVICES
             in_epilogue = "cuda" in default_devices
             lora.BASE_IN_EPILOGUE_DEVICES = default_devices ^ {"cuda"}
@@ -462,7 +463,7 @@ class Bench(BenchRun):
                 lora.BASE_IN_EPILOGUE_DEVICES = default_devices
 
         default = engine.fused_ce
-        for path in CE_PATHS if fused_ok else ():
+        for path in CE_PATHS if fused_ok and self.args.variants else ():
             engine.fused_ce = path == "fused-ce"
             for name in by_name:
                 if not self.fits(name) or self.time_left() < self.reserve_s:
@@ -478,7 +479,7 @@ class Bench(BenchRun):
 
         others = (
             [b for b in ("sdpa_per_document", "flex_attention", "varlen_flash_cudnn", "varlen_flash") if b != backend]
-            if self.cuda
+            if self.cuda and self.args.variants
             else []
         )
         varlen = {"varlen_flash", "varlen_flash_cudnn"}  # they differ on one-document streams alone
@@ -998,6 +999,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="the engine's step_graph_max_tokens (default: the engine's own, TINKERD_TRAINER_STEP_GRAPH_MAX_TOKENS)",
+    )
+    parser.add_argument(
+        "--no-variants",
+        dest="variants",
+        action="store_false",
+        help="engine: the default rows and their eager twins only (no separate-base, forced loss-path or "
+        "other-attention rows), leaving the deadline to more steps per row and the baselines",
     )
     args = parser.parse_args(argv)
     bench = Bench(args)
