@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from libs.contracts.ids import owner_of_request, page_request_id
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import CreateModel, Rejected
-from libs.contracts.results import DatumResult
 from libs.contracts.work import (
     AdoptSlot,
     BarrierUnit,
@@ -271,7 +270,7 @@ def _fold_work(state: PlannerState, outcome: WorkOutcome, members: list[Member])
             if pending.trains:
                 stream.poison_window(pending.window, f"forward_backward seq_id {pending.command.seq_id} failed")
         else:
-            pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k, datum.metrics)
+            pending.outputs[index] = datum.result()
             if pending.trains:
                 stream.mark_dirty(pending.window)
 

@@ -3,7 +3,8 @@
 This module is the consuming loop: it pulls one unit at a time from the group's durable,
 runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, hands the
 saves it copied to the background writer (``saves.py``: each save's ``PublishCommand`` goes out
-once its files are fsynced), publishes the outcome, acks, and takes a snapshot now and then: the
+once its files are fsynced), publishes the outcome, answers the requests the unit held whole
+(``answers.py``), acks, and takes a snapshot now and then: the
 unit path waits only while the slots' state is copied to host memory; the snapshot is written on
 a background thread while the next units run (``state/snapshots.py``), one at a time, and never
 while a save is being written (recovery must replay a save that was not handed off).
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from nats.aio.msg import Msg
 
 from infra import tracing
+from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop
 from infra.streams import ensure_streams, trainer_durable
 from libs.checkpoints import layout
@@ -38,10 +40,10 @@ from libs.contracts.events import ServiceEvent, UnitFinished, UnitStarted
 from libs.contracts.outcomes import Outcome, WorkOutcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.records import TrainerStatus
-from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit
+from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit, WorkUnit
 from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
-from services.trainer import adoption, group
+from services.trainer import adoption, answers, group
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
@@ -160,6 +162,8 @@ class TrainerService:
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
             crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
+            if isinstance(unit, WorkUnit) and isinstance(outcome, WorkOutcome):
+                await self._answer(unit, outcome)
             if (handoff_ms := (time.perf_counter() - executed) * 1e3) >= 50:
                 log.info("unit %s: outcome published %.1f ms after execute ended", unit.unit_id, handoff_ms)
             self.completed.add(unit.unit_id)
@@ -178,6 +182,25 @@ class TrainerService:
                     at_ns=now_ns(),
                 )
             )
+
+    async def _answer(self, unit: WorkUnit, outcome: WorkOutcome) -> None:
+        """The requests the unit held whole, answered from its stored outcome (answers.py)."""
+        await asyncio.gather(
+            *(
+                answer(
+                    self.bus,
+                    kind=request.kind,
+                    body=body,
+                    tenant=request.tenant,
+                    model_id=request.model_id,
+                    request_id=request.request_id,
+                    seq_id=request.seq_id,
+                    traceparent=request.traceparent,
+                    started_ns=request.accepted_ns,
+                )
+                for request, body in answers.answered(unit, outcome)
+            )
+        )
 
     async def _hand_off(self, command: PublishCommand) -> None:
         """A save's files are fsynced (or, with a handover, its adapter is readable from here): the
