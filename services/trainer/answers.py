@@ -1,10 +1,17 @@
 """The requests a work unit's outcome answers: those the unit holds whole, every datum run.
 
-The planner names them in the unit (`WorkUnit.whole`). The trainer appends their results as soon
-as the outcome is stored, which spares a `forward_backward` the planner's hop (fetch, fold,
-append) on its way back to the SDK. The planner still folds the outcome and appends the same
-result; `infra.answers.answer` keeps the first one appended, so the second has no effect. A
-request that failed (a datum's error, or the unit's) is left to the planner, whose fold says why.
+The planner names them in the unit (`WorkUnit.whole`). The trainer appends their results together
+with the outcome (sent right after it, not after its ack), which spares a `forward_backward` the
+planner's hop (fetch, fold, append) on its way back to the SDK. The planner still folds the outcome
+and appends the same result; `infra.answers.answer` keeps the first one appended, so the second has
+no effect. A request that failed (a datum's error, or the unit's) is left to the planner, whose
+fold says why.
+
+What a crash leaves: the answer can be stored while its outcome is not (the trainer died, or the
+outcome's append failed, between the two). The unit is then not done: it is delivered again, to
+the state recovery rebuilds without it, and runs once more, the same computation on the same
+inputs (on deterministic kernels, the same values); its second answer has no effect. The answer
+never comes from a unit whose outcome the trainer has not sent.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 This module is the consuming loop: it pulls one unit at a time from the group's durable,
 runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, hands the
 saves it copied to the background writer (``saves.py``: each save's ``PublishCommand`` goes out
-once its files are fsynced), publishes the outcome, answers the requests the unit held whole
-(``answers.py``), acks, and takes a snapshot now and then: the
+once its files are fsynced), publishes the outcome and the answers of the requests the unit held
+whole (``answers.py``), acks, and takes a snapshot now and then: the
 unit path waits only while the slots' state is copied to host memory; the snapshot is written on
 a background thread while the next units run (``state/snapshots.py``), one at a time, and never
 while a save is being written (recovery must replay a save that was not handed off).
@@ -158,12 +158,16 @@ class TrainerService:
             for save in saves:  # written behind the unit path; handed off once fsynced
                 command = msgspec.structs.replace(save.command, traceparent=ctx)
                 await self.saves.submit(dataclasses.replace(save, command=command))
-            await self.bus.publish(
+            # The outcome, and with it (not after its ack) the answers of the requests the unit
+            # held whole: answers.py says what a crash between the two leaves.
+            published = self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
-            crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             if isinstance(unit, WorkUnit) and isinstance(outcome, WorkOutcome):
-                await self._answer(unit, outcome)
+                await asyncio.gather(published, self._answer(unit, outcome))
+            else:
+                await published
+            crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             if (handoff_ms := (time.perf_counter() - executed) * 1e3) >= 50:
                 log.info("unit %s: outcome published %.1f ms after execute ended", unit.unit_id, handoff_ms)
             self.completed.add(unit.unit_id)
@@ -184,7 +188,7 @@ class TrainerService:
             )
 
     async def _answer(self, unit: WorkUnit, outcome: WorkOutcome) -> None:
-        """The requests the unit held whole, answered from its stored outcome (answers.py)."""
+        """The requests the unit held whole, answered from its outcome (answers.py)."""
         await asyncio.gather(
             *(
                 answer(
