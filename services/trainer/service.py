@@ -21,7 +21,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -163,10 +165,8 @@ class TrainerService:
             published = self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
-            if isinstance(unit, WorkUnit) and isinstance(outcome, WorkOutcome):
-                await asyncio.gather(published, self._answer(unit, outcome))
-            else:
-                await published
+            answering = self._answers(unit, outcome) if isinstance(unit, WorkUnit) else []
+            await asyncio.gather(published, *answering)  # one write to the server, outcome first
             crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             if (handoff_ms := (time.perf_counter() - executed) * 1e3) >= 50:
                 log.info("unit %s: outcome published %.1f ms after execute ended", unit.unit_id, handoff_ms)
@@ -187,24 +187,24 @@ class TrainerService:
                 )
             )
 
-    async def _answer(self, unit: WorkUnit, outcome: WorkOutcome) -> None:
-        """The requests the unit held whole, answered from its outcome (answers.py)."""
-        await asyncio.gather(
-            *(
-                answer(
-                    self.bus,
-                    kind=request.kind,
-                    body=body,
-                    tenant=request.tenant,
-                    model_id=request.model_id,
-                    request_id=request.request_id,
-                    seq_id=request.seq_id,
-                    traceparent=request.traceparent,
-                    started_ns=request.accepted_ns,
-                )
-                for request, body in answers.answered(unit, outcome)
+    def _answers(self, unit: WorkUnit, outcome: Outcome) -> list[Coroutine[Any, Any, bool]]:
+        """Appending the results of the requests the unit held whole (answers.py)."""
+        if not isinstance(outcome, WorkOutcome):
+            return []
+        return [
+            answer(
+                self.bus,
+                kind=request.kind,
+                body=body,
+                tenant=request.tenant,
+                model_id=request.model_id,
+                request_id=request.request_id,
+                seq_id=request.seq_id,
+                traceparent=request.traceparent,
+                started_ns=request.accepted_ns,
             )
-        )
+            for request, body in answers.answered(unit, outcome)
+        ]
 
     async def _hand_off(self, command: PublishCommand) -> None:
         """A save's files are fsynced (or, with a handover, its adapter is readable from here): the
