@@ -189,14 +189,14 @@ def overhead_rows(
             (started[mine[0].unit_id].at_ns - acc.at_ns) / 1e6
         )
         row["3 trainer execute"].append(exec_ms)
-        row["4 execute end -> result published (outcome, answer)"].append(
+        row["4 execute end -> result published (outcome, planner)"].append(
             (completed[acc.request_id].at_ns - last.finished_ns) / 1e6
         )
         # stage 4 split by the server's storage stamps (one host: one clock)
         row["4a execute end -> outcome stored (trainer)"].append(
             (outcome_stored[last.unit_id] - last.finished_ns) / 1e6
         )
-        row["4b outcome stored -> result stored (answer)"].append(
+        row["4b outcome stored -> result stored (planner)"].append(
             (result_stored[acc.request_id] - outcome_stored[last.unit_id]) / 1e6
         )
         row["5 result published -> SDK has it (long-poll)"].append(

@@ -1,7 +1,6 @@
 """What a trainer reports after executing a unit (`tinker.outcome.<group>`).
 
-Outcomes are facts: the planner folds them to complete requests (a trainer answers the requests a
-work unit holds whole itself, as soon as their outcome is stored). A trainer emits exactly one outcome
+Outcomes are facts: the planner folds them to complete requests. A trainer emits exactly one outcome
 per unit id (`Nats-Msg-Id` = unit id), so a redelivered unit never produces a second effect.
 """
 
@@ -10,7 +9,6 @@ from __future__ import annotations
 import msgspec
 
 from libs.contracts.common import Envelope
-from libs.contracts.results import DatumResult
 
 
 class DatumOutcome(msgspec.Struct, frozen=True, array_like=True):
@@ -21,10 +19,6 @@ class DatumOutcome(msgspec.Struct, frozen=True, array_like=True):
     error: str | None = None  # a per-datum failure (validation); other datums are unaffected
     k: int = 0  # 0: logprobs is [N]; K >= 1: it is [N, K] (top-K target_tokens)
     metrics: dict[str, float] = {}  # the loss's own per-datum metrics, each `name:sum`
-
-    def result(self) -> DatumResult:
-        """What the request's future answers for this datum (it ran: no `error`)."""
-        return DatumResult(self.logprobs, self.loss, self.k, self.metrics)
 
 
 class WorkOutcome(Envelope, tag="work_done", kw_only=True, frozen=True):

@@ -23,16 +23,6 @@ class ForwardBackwardResult(msgspec.Struct, tag="forward_backward", frozen=True,
     outputs: list[DatumResult]
     metrics: dict[str, float]
 
-    @classmethod
-    def of(cls, outputs: list[DatumResult]) -> ForwardBackwardResult:
-        """A forward(_backward)'s result from its datums' results, in datum order: the losses and
-        every per-datum metric (each a `name:sum`) summed over them."""
-        summed = {"loss:sum": float(sum(o.loss for o in outputs))}
-        for output in outputs:
-            for name, value in output.metrics.items():
-                summed[name] = summed.get(name, 0.0) + value
-        return cls(outputs=outputs, metrics=summed)
-
 
 class TopK(msgspec.Struct, frozen=True, array_like=True):
     token_ids: bytes  # int32 [length * k]

@@ -24,21 +24,6 @@ class UnitItem(msgspec.Struct, frozen=True, array_like=True):
     datum: BusDatum
 
 
-class WholeRequest(msgspec.Struct, frozen=True, array_like=True):
-    """A request whose every datum is in one work unit: the unit's trainer answers it from the
-    unit's outcome (the planner's answer, appended should the trainer not get to it first, is the
-    same result; the first one appended is the one)."""
-
-    request_id: str
-    model_id: str
-    tenant: str
-    seq_id: int
-    kind: str
-    num_datums: int
-    accepted_ns: int  # the command's `at_ns`: its `completed` event's duration counts from there
-    traceparent: str = ""
-
-
 class WorkUnit(Envelope, tag="work", kw_only=True, frozen=True):
     unit_id: str
     group: str = ""
@@ -48,8 +33,6 @@ class WorkUnit(Envelope, tag="work", kw_only=True, frozen=True):
     loss_fn: str
     loss_config: dict[str, float | str] = {}
     items: list[UnitItem] = []
-    whole: list[WholeRequest] = []
-    """The requests it holds whole (none in units written before trainers answered them)."""
 
     @property
     def num_tokens(self) -> int:

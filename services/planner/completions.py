@@ -42,7 +42,12 @@ def result_body(model_id: str, pending: Pending) -> ResultBody | None:
     metrics, info, mid = pending.metrics, pending.info, model_id
     match pending.command:
         case ForwardBackward():
-            return ForwardBackwardResult.of([o for o in pending.outputs if o is not None])
+            outputs = [o for o in pending.outputs if o is not None]
+            summed = {"loss:sum": float(sum(o.loss for o in outputs))}
+            for output in outputs:  # every per-datum metric is a `name:sum`
+                for name, value in output.metrics.items():
+                    summed[name] = summed.get(name, 0.0) + value
+            return ForwardBackwardResult(outputs=outputs, metrics=summed)
         case _ if info.get(HANDOFF):
             return None
         case CreateModel(restore=restore) if restore is not None:  # create mode of load_weights

@@ -2,15 +2,12 @@
 
 A work unit is seeded by the oldest ready datum and packs every ready datum of the same loss class
 (`loss_class`) of the models resident on the seed's group, oldest first, under the token budget;
-a datum over the budget ships alone; the requests it holds whole are named in it (`whole`), for its
-trainer to answer. An optim_step barrier takes every ready optim_step of that
+a datum over the budget ships alone. An optim_step barrier takes every ready optim_step of that
 group; any other barrier runs alone. `barrier_op` turns a command into its slot op, given the
 model's gradient window (a poisoned window's optim_step discards, never steps).
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import msgspec
 
@@ -35,7 +32,6 @@ from libs.contracts.work import (
     SlotOp,
     StepSlot,
     UnitItem,
-    WholeRequest,
     WorkUnit,
 )
 from services.planner.inputs import Groups, group_of
@@ -78,8 +74,6 @@ def work_unit(
                     rows.append((pending.arrival, index, stream, pending))
     rows.sort(key=lambda row: (row[0], row[1]))
     items: list[UnitItem] = []
-    packed: Counter[str] = Counter()  # request id -> how many of its datums are here
-    owners: dict[str, tuple[ModelStream, Pending]] = {}
     tokens = 0
     for _, index, stream, pending in rows:
         assert isinstance(pending.command, ForwardBackward) and stream.slot is not None
@@ -88,22 +82,6 @@ def work_unit(
             break  # strictly oldest first: nothing younger jumps over a datum that did not fit
         items.append(UnitItem(stream.model_id, pending.command.request_id, index, stream.slot, datum))
         tokens += datum.num_tokens
-        packed[pending.command.request_id] += 1
-        owners[pending.command.request_id] = (stream, pending)
-    whole = [
-        WholeRequest(
-            request_id=p.command.request_id,
-            model_id=stream.model_id,
-            tenant=p.command.tenant,
-            seq_id=p.command.seq_id,
-            kind=p.kind,
-            num_datums=p.num_datums,
-            accepted_ns=p.command.at_ns,
-            traceparent=p.command.traceparent,
-        )
-        for request_id, (stream, p) in owners.items()
-        if p.issued == 0 and packed[request_id] == p.num_datums and p.error is None
-    ]
     return WorkUnit(
         unit_id=state.next_unit_id(),
         group=group,
@@ -111,7 +89,6 @@ def work_unit(
         loss_fn=command.loss_fn,
         loss_config=command.loss_config,
         items=sorted(items, key=lambda i: (i.slot, i.request_id, i.index)),
-        whole=whole,
         traceparent=command.traceparent,
     )
 

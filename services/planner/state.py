@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from libs.contracts.ids import owner_of_request, page_request_id
 from libs.contracts.outcomes import BarrierOutcome, DatumOutcome, OpOutcome, Outcome, WorkOutcome
 from libs.contracts.requests import CreateModel, Rejected
+from libs.contracts.results import DatumResult
 from libs.contracts.work import (
     AdoptSlot,
     BarrierUnit,
@@ -270,7 +271,7 @@ def _fold_work(state: PlannerState, outcome: WorkOutcome, members: list[Member])
             if pending.trains:
                 stream.poison_window(pending.window, f"forward_backward seq_id {pending.command.seq_id} failed")
         else:
-            pending.outputs[index] = datum.result()
+            pending.outputs[index] = DatumResult(datum.logprobs, datum.loss, datum.k, datum.metrics)
             if pending.trains:
                 stream.mark_dirty(pending.window)
 

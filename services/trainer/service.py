@@ -3,8 +3,7 @@
 This module is the consuming loop: it pulls one unit at a time from the group's durable,
 runs it on the ``Executor`` (``execute.py``) in a worker thread under a watchdog, hands the
 saves it copied to the background writer (``saves.py``: each save's ``PublishCommand`` goes out
-once its files are fsynced), publishes the outcome and the answers of the requests the unit held
-whole (``answers.py``), acks, and takes a snapshot now and then: the
+once its files are fsynced), publishes the outcome, acks, and takes a snapshot now and then: the
 unit path waits only while the slots' state is copied to host memory; the snapshot is written on
 a background thread while the next units run (``state/snapshots.py``), one at a time, and never
 while a save is being written (recovery must replay a save that was not handed off).
@@ -21,9 +20,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -31,7 +28,6 @@ import torch.distributed as dist
 from nats.aio.msg import Msg
 
 from infra import tracing
-from infra.answers import answer
 from infra.bus import Bus, ensure_durable, fetch_loop
 from infra.streams import ensure_streams, trainer_durable
 from libs.checkpoints import layout
@@ -42,10 +38,10 @@ from libs.contracts.events import ServiceEvent, UnitFinished, UnitStarted
 from libs.contracts.outcomes import Outcome, WorkOutcome
 from libs.contracts.publish import PublishCommand
 from libs.contracts.records import TrainerStatus
-from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit, WorkUnit
+from libs.contracts.work import AdoptSlot, BarrierUnit, StepSlot, Unit
 from libs.faults import crash_point
 from libs.models.registry import resolve_base_model
-from services.trainer import adoption, answers, group
+from services.trainer import adoption, group
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import EngineConfig, TrainerEngine
 from services.trainer.execute import Executor
@@ -160,13 +156,9 @@ class TrainerService:
             for save in saves:  # written behind the unit path; handed off once fsynced
                 command = msgspec.structs.replace(save.command, traceparent=ctx)
                 await self.saves.submit(dataclasses.replace(save, command=command))
-            # The outcome, and with it (not after its ack) the answers of the requests the unit
-            # held whole: answers.py says what a crash between the two leaves.
-            published = self.bus.publish(
+            await self.bus.publish(
                 s.outcome_subject(self.config.group), codec.pack(outcome), msg_id=unit.unit_id
             )
-            answering = self._answers(unit, outcome) if isinstance(unit, WorkUnit) else []
-            await asyncio.gather(published, *answering)  # one write to the server, outcome first
             crash_point("trainer.outcome_published")  # fault tests: outcome appended, unit not acked
             if (handoff_ms := (time.perf_counter() - executed) * 1e3) >= 50:
                 log.info("unit %s: outcome published %.1f ms after execute ended", unit.unit_id, handoff_ms)
@@ -186,25 +178,6 @@ class TrainerService:
                     at_ns=now_ns(),
                 )
             )
-
-    def _answers(self, unit: WorkUnit, outcome: Outcome) -> list[Coroutine[Any, Any, bool]]:
-        """Appending the results of the requests the unit held whole (answers.py)."""
-        if not isinstance(outcome, WorkOutcome):
-            return []
-        return [
-            answer(
-                self.bus,
-                kind=request.kind,
-                body=body,
-                tenant=request.tenant,
-                model_id=request.model_id,
-                request_id=request.request_id,
-                seq_id=request.seq_id,
-                traceparent=request.traceparent,
-                started_ns=request.accepted_ns,
-            )
-            for request, body in answers.answered(unit, outcome)
-        ]
 
     async def _hand_off(self, command: PublishCommand) -> None:
         """A save's files are fsynced (or, with a handover, its adapter is readable from here): the

@@ -142,24 +142,6 @@ def test_token_budget_splits_a_large_request() -> None:
     assert body.metrics == {"loss:sum": 15.0}
 
 
-def test_a_unit_names_the_requests_it_holds_whole() -> None:
-    """A request split over two units is whole in neither; one whose every datum is in a unit is
-    named there, with what its answer needs."""
-    sim = started("a", "b", token_budget=10)
-    sim.send(fb("a", 1, [5, 5, 5]), fb("b", 1, [3]))
-    first, second = work(sim.plan())
-    assert rows(second) == [("a:1", 2), ("b:1", 0)]
-    assert first.whole == []
-    [whole] = second.whole
-    assert (whole.request_id, whole.model_id, whole.seq_id, whole.kind, whole.num_datums) == (
-        "b:1",
-        "b",
-        1,
-        "forward_backward",
-        1,
-    )
-
-
 def test_an_oversized_datum_ships_alone() -> None:
     sim = started("a", "b", token_budget=10)
     sim.send(fb("a", 1, [25]), fb("b", 1, [3, 3]))
