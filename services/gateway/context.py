@@ -170,6 +170,12 @@ async def provide_gateway(request: Request) -> Gateway:  # type: ignore[type-arg
     return gateway_of(request)
 
 
-async def provide_tenant(request: Request) -> Tenant:  # type: ignore[type-arg]
-    """The caller, as the router's ``guards.api_key`` authenticated it."""
+async def provide_tenant(request: Request, gateway: Gateway) -> Tenant:  # type: ignore[type-arg]
+    """The caller, as the router's ``guards.api_key`` authenticated it.
+
+    It names ``gateway`` only so as to be resolved after it. Litestar resolves a route's
+    dependencies that do not depend on one another together, in an anyio task group per request
+    (about 40 µs and a pass through the event loop on a 2-core machine); a chain it resolves
+    inline."""
+    del gateway
     return request.state.tenant  # type: ignore[no-any-return]
