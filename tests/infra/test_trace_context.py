@@ -16,7 +16,7 @@ from infra import tracing
 SAMPLED_PARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
 
 
-def test_with_no_exporter_a_span_continues_its_parents_trace_and_is_not_recorded() -> None:
+def test_with_no_exporter_the_trace_context_travels_and_no_span_is_recorded() -> None:
     tracer = tracing.tracer_provider("gateway", "none").get_tracer("test")
     with tracer.start_as_current_span("gateway request") as root:
         carried = tracing.current_traceparent()
