@@ -79,8 +79,8 @@ def tracer_provider(service: str, choice: str) -> TracerProvider:
         raise ValueError(f"TINKERD_TRACE_EXPORTER must be one of {EXPORTERS}, got {choice!r}")
     provider = TracerProvider(
         resource=Resource.create({"service.name": f"tinkerd-{service}"}),
-        # nothing exports: new traces are not recorded (12 µs a span instead of 23 on a 2-core
-        # machine), and a caller's sampled trace still is
+        # nothing exports: new traces are not recorded, which halves what a span costs
+        # (docs/benchmarks.md, "Submissions under load"); a caller's sampled trace still is
         sampler=ParentBased(ALWAYS_OFF) if choice == "none" else None,
     )
     span_exporter: SpanExporter | None = None
